@@ -1,0 +1,29 @@
+# Every target builds .venv itself when it is missing: torch==2.13.0 first (the
+# local CPU wheel), so the project's torch range never pulls a CUDA build.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-slow clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m qnorm.cli demo --out out
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -n auto
+
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .hypothesis

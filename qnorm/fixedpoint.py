@@ -1,0 +1,376 @@
+"""The one arithmetic specification of qnorm.
+
+Every rounding shift, rounding division, saturation, square root and dyadic
+multiplication used by any qnorm op is defined here, once.  The golden models call
+these functions on numpy int64 arrays (or Python ints, which the tests compare with
+exact ``fractions.Fraction`` arithmetic); the TVM lowering calls the *same*
+functions on TIR expressions.  That is why the bodies use only ``+ - * >> & // %``,
+comparisons and :func:`select`: those operators mean the same thing on all three
+kinds of operand (``>>`` is an arithmetic shift, ``//`` and ``%`` are floor
+division and modulo).
+
+Default rounding: round half up, ``(v + 2**(s-1)) >> s``, the cheapest rule in
+hardware and the one TVM's ``q_multiply_shift`` uses.  Other tie rules are explicit.
+
+Preconditions (operand ranges) are checked at run time only for concrete numpy /
+Python operands; for symbolic operands the static range analysis
+(:mod:`qnorm.analysis`) has already proven them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Union
+
+import numpy as np
+
+IntLike = Union[int, np.integer, np.ndarray, Any]  # Any: a TIR PrimExpr
+
+
+
+class Round(enum.Enum):
+    """Tie/direction rule for every rounding operation."""
+
+    HALF_UP = "half_up"  # ties toward +inf: floor(x + 1/2)  (default)
+    HALF_EVEN = "half_even"  # ties to the even neighbour (banker's, torch.round)
+    HALF_AWAY = "half_away"  # ties away from zero (C's round())
+    FLOOR = "floor"  # toward -inf
+    CEIL = "ceil"  # toward +inf
+    TRUNC = "trunc"  # toward zero (C integer division)
+
+    @classmethod
+    def parse(cls, mode: "Round | str") -> "Round":
+        if isinstance(mode, Round):
+            return mode
+        try:
+            return cls(mode)
+        except ValueError:
+            known = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown rounding mode {mode!r}; known: {known}") from None
+
+
+DEFAULT_ROUND = Round.HALF_UP
+
+
+# --------------------------------------------------------------------------- operands
+
+
+def _is_concrete(*vals: Any) -> bool:
+    return all(isinstance(v, (int, np.integer, np.ndarray, bool, np.bool_)) for v in vals)
+
+
+def _check_int(v: Any, name: str) -> None:
+    if isinstance(v, np.ndarray) and v.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array, got dtype {v.dtype}")
+    if isinstance(v, (float, np.floating)):
+        raise ValueError(f"{name} must be an integer, got float {v!r}")
+
+
+def _check_range(v: Any, lo: int, hi: int, what: str) -> None:
+    """Raise if a concrete operand leaves [lo, hi]; symbolic operands pass."""
+    if not _is_concrete(v):
+        return
+    if isinstance(v, np.ndarray):
+        if v.size == 0:
+            return
+        vmin, vmax = int(v.min()), int(v.max())
+    else:
+        vmin = vmax = int(v)
+    if vmin < lo or vmax > hi:
+        raise OverflowError(f"{what}: operand range [{vmin}, {vmax}] outside [{lo}, {hi}]")
+
+
+def select(cond: Any, a: Any, b: Any) -> Any:
+    """Element-wise ``a if cond else b`` for numpy, Python and TIR operands."""
+    if isinstance(cond, np.ndarray) or isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.where(cond, a, b)
+    if isinstance(cond, (bool, np.bool_)):
+        return a if cond else b
+    from tvm import tirx  # symbolic operand: only reached from the TVM lowering
+
+    return tirx.Select(cond, a, b)
+
+
+def land(a: Any, b: Any) -> Any:
+    """Element-wise logical and (numpy, Python and TIR booleans)."""
+    if _is_concrete(a, b):
+        return np.logical_and(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else bool(a and b)
+    from tvm import tirx
+
+    return tirx.And(a, b)
+
+
+def lor(a: Any, b: Any) -> Any:
+    """Element-wise logical or (numpy, Python and TIR booleans)."""
+    if _is_concrete(a, b):
+        return np.logical_or(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else bool(a or b)
+    from tvm import tirx
+
+    return tirx.Or(a, b)
+
+
+def _as_int64(v: Any) -> Any:
+    if isinstance(v, np.ndarray) and v.dtype != np.int64:
+        return v.astype(np.int64)
+    return v
+
+
+# --------------------------------------------------------------------------- shifts
+
+
+def rshift_round(v: IntLike, s: IntLike, mode: Round | str = DEFAULT_ROUND) -> IntLike:
+    """``v / 2**s`` rounded by ``mode``; ``s >= 0`` (scalar or per-element array).
+
+    Half-up is ``(v + 2**(s-1)) >> s``; ``(1 << s) >> 1`` makes the half term 0 at
+    s = 0 without a branch, so per-element shift arrays need no special case.
+    """
+    mode = Round.parse(mode)
+    _check_int(v, "rshift_round operand")
+    v = _as_int64(v)
+    if _is_concrete(s):
+        _check_range(s, 0, 62, "rshift_round shift amount")
+        _check_range(v, -(1 << 62), (1 << 62) - 1, "rshift_round value")
+    one = _one_like(s)
+    half = (one << s) >> 1
+    if mode is Round.FLOOR:
+        return v >> s
+    if mode is Round.HALF_UP:
+        return (v + half) >> s
+    if mode is Round.CEIL:
+        return (v + (one << s) - 1) >> s
+    if mode is Round.TRUNC:
+        return select(v < 0, -((-v) >> s), v >> s)
+    if mode is Round.HALF_AWAY:
+        return select(v < 0, -((half - v) >> s), (v + half) >> s)
+    # HALF_EVEN: exact remainder decides; a tie rounds to the even quotient.
+    q = v >> s
+    r = v - (q << s)
+    up = lor(r > half, land(land(r == half, half > 0), (q & 1) == 1))
+    return select(up, q + 1, q)
+
+
+def _one_like(s: Any) -> Any:
+    if isinstance(s, np.ndarray):
+        return np.ones_like(s, dtype=np.int64)
+    if isinstance(s, (int, np.integer)):
+        return 1
+    from tvm import tirx
+
+    return tirx.const(1, s.dtype)
+
+
+# --------------------------------------------------------------------------- division
+
+
+def div_round(n: IntLike, d: IntLike, mode: Round | str = DEFAULT_ROUND) -> IntLike:
+    """``n / d`` rounded by ``mode`` for a positive divisor ``d``.
+
+    Built on floor division and its non-negative remainder (numpy ``//``/``%`` and
+    TIR ``floordiv``/``floormod`` agree), so negatives are handled without the
+    floor-vs-truncate trap between PyTorch and C.
+    """
+    mode = Round.parse(mode)
+    _check_int(n, "div_round numerator")
+    _check_int(d, "div_round divisor")
+    n, d = _as_int64(n), _as_int64(d)
+    if _is_concrete(d):
+        _check_range(d, 1, 1 << 62, "div_round divisor (must be positive)")
+        _check_range(n, -(1 << 62), (1 << 62) - 1, "div_round numerator")
+    q = n // d
+    r = n % d  # 0 <= r < d
+    if mode is Round.FLOOR:
+        return q
+    if mode is Round.CEIL:
+        return select(r > 0, q + 1, q)
+    if mode is Round.TRUNC:
+        return select(land(r > 0, n < 0), q + 1, q)
+    twice_r = r + r  # < 2d <= 2**63
+    if mode is Round.HALF_UP:
+        return select(twice_r >= d, q + 1, q)
+    if mode is Round.HALF_AWAY:
+        return select(lor(twice_r > d, land(twice_r == d, n >= 0)), q + 1, q)
+    up = lor(twice_r > d, land(twice_r == d, (q & 1) == 1))
+    return select(up, q + 1, q)
+
+
+# --------------------------------------------------------------------------- saturation
+
+
+def int_range(bits: int, signed: bool = True) -> tuple[int, int]:
+    """Inclusive [lo, hi] of a ``bits``-wide integer."""
+    if not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 64:
+        raise ValueError(f"bit width must be an integer in [1, 64], got {bits!r}")
+    if signed:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+def saturate(v: IntLike, bits: int, signed: bool = True) -> IntLike:
+    """Clamp ``v`` to the range of a ``bits``-wide signed/unsigned integer."""
+    lo, hi = int_range(bits, signed)
+    _check_int(v, "saturate operand")
+    if isinstance(v, np.ndarray):
+        return np.clip(v.astype(np.int64), lo, hi)
+    if _is_concrete(v):
+        return min(max(int(v), lo), hi)
+    return select(v < lo, lo, select(v > hi, hi, v))
+
+
+def bits_for(lo: int, hi: int) -> int:
+    """Smallest two's-complement width (sign bit included) holding [lo, hi]."""
+    need = max(int(hi).bit_length(), (-int(lo) - 1).bit_length() if lo < 0 else 0)
+    return need + 1
+
+
+# --------------------------------------------------------------------------- dyadic
+
+
+@dataclass(frozen=True)
+class Dyadic:
+    """A real constant approximated as ``m * 2**-s`` with integer m, s >= 0."""
+
+    m: int
+    s: int
+
+    @property
+    def value(self) -> Fraction:
+        return Fraction(self.m, 1 << self.s)
+
+    def rel_error(self, x: float) -> float:
+        """|m 2^-s - x| / |x| (0 for x = 0 represented exactly)."""
+        exact = Fraction(x)
+        if exact == 0:
+            return 0.0 if self.m == 0 else math.inf
+        return float(abs(self.value - exact) / abs(exact))
+
+    @classmethod
+    def from_float(cls, x: float, mult_bits: int = 16, max_shift: int = 62) -> "Dyadic":
+        """Largest shift whose rounded multiplier fits a signed ``mult_bits`` word.
+
+        Exact: ``Fraction(x)`` is the float's exact binary value, so the result is
+        the same on every machine.
+        """
+        _require_finite(x, "dyadic constant")
+        if not 2 <= mult_bits <= 32:
+            raise ValueError(f"mult_bits must be in [2, 32], got {mult_bits}")
+        exact = Fraction(x)
+        limit = 1 << (mult_bits - 1)
+        if exact == 0:
+            return cls(0, 0)
+        if abs(_round_fraction(exact)) >= limit:
+            raise ValueError(
+                f"constant {x!r} does not fit a signed {mult_bits}-bit multiplier even at shift 0"
+            )
+        s = 0
+        while s < max_shift and abs(_round_fraction(exact * (1 << (s + 1)))) < limit:
+            s += 1
+        return cls(_round_fraction(exact * (1 << s)), s)
+
+
+def dyadic_vector(xs: np.ndarray, mult_bits: int = 16, max_shift: int = 62) -> tuple[np.ndarray, int]:
+    """Per-channel multipliers sharing one shift (one shifter in hardware).
+
+    The shift is the largest for which every |round(x 2^s)| fits ``mult_bits``
+    signed bits, so the largest |x| gets full precision.
+    """
+    xs = np.asarray(xs, dtype=np.float64)
+    if not np.all(np.isfinite(xs)):
+        raise ValueError("per-channel constants contain NaN or Inf")
+    big = float(np.max(np.abs(xs))) if xs.size else 0.0
+    s = Dyadic.from_float(big, mult_bits, max_shift).s if big > 0 else 0
+    ms = np.array([_round_fraction(Fraction(float(x)) * (1 << s)) for x in xs.ravel()], dtype=np.int64)
+    return ms.reshape(xs.shape), s
+
+
+def _round_fraction(q: Fraction) -> int:
+    """Round half up, on an exact rational (used when deriving constants)."""
+    return math.floor(q + Fraction(1, 2))
+
+
+def _require_finite(x: float, what: str) -> None:
+    if not isinstance(x, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{what} must be a real number, got {type(x).__name__}")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{what} is {x!r}; NaN and Inf have no fixed-point value")
+
+
+def dyadic_mul(v: IntLike, m: IntLike, s: IntLike, mode: Round | str = DEFAULT_ROUND) -> IntLike:
+    """``round(v * m / 2**s)``: one integer multiply and one rounding shift."""
+    return rshift_round(_as_int64(v) * m, s, mode)
+
+
+# --------------------------------------------------------------------------- square roots
+
+
+def isqrt(v: IntLike, max_input_bits: int = 62) -> IntLike:
+    """Exact floor square root of ``0 <= v <= 2**max_input_bits`` (at most 2**62).
+
+    The digit-by-digit (restoring) method: one compare-subtract per result bit,
+    branch-free, so the identical sequence runs in numpy, in TIR and in RTL, and it
+    has no convergence condition to get wrong for small inputs (unlike Newton).
+    ``max_input_bits`` lets callers whose range analysis bounds v use fewer steps.
+    """
+    if not 0 <= max_input_bits <= 62:
+        raise ValueError(f"isqrt handles inputs up to 2**62, asked for 2**{max_input_bits}")
+    _check_int(v, "isqrt operand")
+    v = _as_int64(v)
+    _check_range(v, 0, 1 << max_input_bits, "isqrt operand")
+    top = max_input_bits + (max_input_bits & 1)  # highest power of four >= the bound
+    rem = v
+    res = v * 0
+    for k in range(top, -1, -2):
+        bit = 1 << k
+        trial = res + bit
+        take = rem >= trial
+        rem = select(take, rem - trial, rem)
+        res = select(take, (res >> 1) + bit, res >> 1)
+    return res
+
+
+def isqrt_round(v: IntLike, max_input_bits: int = 62) -> IntLike:
+    """sqrt(v) rounded to nearest; sqrt of an integer is never exactly r + 1/2."""
+    r = isqrt(v, max_input_bits)
+    return select(v > r * r + r, r + 1, r)
+
+
+def reciprocal(d: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND) -> IntLike:
+    """``2**frac_bits / d`` rounded by ``mode`` (d > 0): one divide per row."""
+    if not 0 <= frac_bits <= 61:
+        raise ValueError(f"reciprocal frac_bits must be in [0, 61], got {frac_bits}")
+    return div_round(1 << frac_bits, d, mode)
+
+
+RSQRT_MODES = (Round.FLOOR, Round.CEIL, Round.HALF_UP)
+
+
+def rsqrt(v: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND) -> IntLike:
+    """``2**frac_bits / sqrt(v)`` for v >= 1, exactly rounded by ``mode``.
+
+    floor(sqrt(floor(N / v))) == floor(sqrt(N / v)) for real N/v >= 0, so the floor
+    result needs one division and one isqrt; half-up and ceil then decide the last
+    bit with an exact integer comparison (no float, no iteration).
+    """
+    mode = Round.parse(mode)
+    if mode not in RSQRT_MODES:
+        raise ValueError(f"rsqrt supports {[m.value for m in RSQRT_MODES]}, not {mode.value}")
+    if not 0 <= frac_bits <= 30:
+        raise ValueError(f"rsqrt frac_bits must be in [0, 30], got {frac_bits}")
+    _check_int(v, "rsqrt operand")
+    v = _as_int64(v)
+    _check_range(v, 1, 1 << 62, "rsqrt operand (must be >= 1)")
+    num = 1 << (2 * frac_bits)
+    q = num // v
+    rem = num % v  # num / v == q + rem / v, 0 <= rem < v
+    r = isqrt(q, 2 * frac_bits)  # r*r <= q
+    if mode is Round.FLOOR:
+        return r
+    if mode is Round.CEIL:
+        return select(lor(r * r < q, land(r * r == q, rem > 0)), r + 1, r)
+    # Up iff num/v >= (r + 1/2)^2, i.e. k + rem/v >= 1/4 with k = q - r^2 - r (an
+    # integer): true for k >= 1, false for k <= -1, and for k == 0 iff 4 rem >= v,
+    # written rem >= ceil(v / 4) so nothing can overflow.
+    k = q - r * r - r
+    return select(lor(k > 0, land(k == 0, rem >= ((v + 3) >> 2))), r + 1, r)
