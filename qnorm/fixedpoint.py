@@ -3,11 +3,11 @@
 Every rounding shift, rounding division, saturation, square root and dyadic
 multiplication used by any qnorm op is defined here, once.  The golden models call
 these functions on numpy int64 arrays (or Python ints, which the tests compare with
-exact ``fractions.Fraction`` arithmetic); the TVM lowering calls the *same*
-functions on TIR expressions.  That is why the bodies use only ``+ - * >> & // %``,
-comparisons and :func:`select`: those operators mean the same thing on all three
-kinds of operand (``>>`` is an arithmetic shift, ``//`` and ``%`` are floor
-division and modulo).
+exact ``fractions.Fraction`` arithmetic); the QAT layers call the *same* functions
+on torch int64 tensors and the TVM lowering on TIR expressions.  That is why the
+bodies use only ``+ - * >> & // %``, comparisons and :func:`select`/:func:`land`/
+:func:`lor`: those mean the same thing on every kind of operand (``>>`` is an
+arithmetic shift, ``//`` and ``%`` are floor division and modulo).
 
 Default rounding: round half up, ``(v + 2**(s-1)) >> s``, the cheapest rule in
 hardware and the one TVM's ``q_multiply_shift`` uses.  Other tie rules are explicit.
@@ -58,13 +58,28 @@ DEFAULT_ROUND = Round.HALF_UP
 # --------------------------------------------------------------------------- operands
 
 
+def _is_torch(v: Any) -> bool:
+    return type(v).__module__.startswith("torch")
+
+
 def _is_concrete(*vals: Any) -> bool:
-    return all(isinstance(v, (int, np.integer, np.ndarray, bool, np.bool_)) for v in vals)
+    """True unless some operand is symbolic (a TIR expression)."""
+    return all(isinstance(v, (int, np.integer, np.ndarray, bool, np.bool_)) or _is_torch(v) for v in vals)
+
+
+def _any_torch(*vals: Any) -> bool:
+    return any(_is_torch(v) for v in vals)
+
+
+def _any_numpy(*vals: Any) -> bool:
+    return any(isinstance(v, np.ndarray) for v in vals)
 
 
 def _check_int(v: Any, name: str) -> None:
     if isinstance(v, np.ndarray) and v.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an integer array, got dtype {v.dtype}")
+    if _is_torch(v) and (v.dtype.is_floating_point or v.dtype.is_complex):
+        raise ValueError(f"{name} must be an integer tensor, got dtype {v.dtype}")
     if isinstance(v, (float, np.floating)):
         raise ValueError(f"{name} must be an integer, got float {v!r}")
 
@@ -73,8 +88,8 @@ def _check_range(v: Any, lo: int, hi: int, what: str) -> None:
     """Raise if a concrete operand leaves [lo, hi]; symbolic operands pass."""
     if not _is_concrete(v):
         return
-    if isinstance(v, np.ndarray):
-        if v.size == 0:
+    if isinstance(v, np.ndarray) or _is_torch(v):
+        if v.numel() == 0 if _is_torch(v) else v.size == 0:
             return
         vmin, vmax = int(v.min()), int(v.max())
     else:
@@ -84,8 +99,12 @@ def _check_range(v: Any, lo: int, hi: int, what: str) -> None:
 
 
 def select(cond: Any, a: Any, b: Any) -> Any:
-    """Element-wise ``a if cond else b`` for numpy, Python and TIR operands."""
-    if isinstance(cond, np.ndarray) or isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+    """Element-wise ``a if cond else b`` for numpy, torch, Python and TIR operands."""
+    if _any_torch(cond, a, b):
+        import torch
+
+        return torch.where(cond, a, b)
+    if _any_numpy(cond, a, b):
         return np.where(cond, a, b)
     if isinstance(cond, (bool, np.bool_)):
         return a if cond else b
@@ -95,18 +114,22 @@ def select(cond: Any, a: Any, b: Any) -> Any:
 
 
 def land(a: Any, b: Any) -> Any:
-    """Element-wise logical and (numpy, Python and TIR booleans)."""
+    """Element-wise logical and (numpy, torch, Python and TIR booleans)."""
+    if _any_torch(a, b):
+        return a & b
     if _is_concrete(a, b):
-        return np.logical_and(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else bool(a and b)
+        return np.logical_and(a, b) if _any_numpy(a, b) else bool(a and b)
     from tvm import tirx
 
     return tirx.And(a, b)
 
 
 def lor(a: Any, b: Any) -> Any:
-    """Element-wise logical or (numpy, Python and TIR booleans)."""
+    """Element-wise logical or (numpy, torch, Python and TIR booleans)."""
+    if _any_torch(a, b):
+        return a | b
     if _is_concrete(a, b):
-        return np.logical_or(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else bool(a or b)
+        return np.logical_or(a, b) if _any_numpy(a, b) else bool(a or b)
     from tvm import tirx
 
     return tirx.Or(a, b)
@@ -115,6 +138,10 @@ def lor(a: Any, b: Any) -> Any:
 def _as_int64(v: Any) -> Any:
     if isinstance(v, np.ndarray) and v.dtype != np.int64:
         return v.astype(np.int64)
+    if _is_torch(v) and str(v.dtype) != "torch.int64":
+        import torch
+
+        return v.to(torch.int64)
     return v
 
 
@@ -157,6 +184,10 @@ def _one_like(s: Any) -> Any:
         return np.ones_like(s, dtype=np.int64)
     if isinstance(s, (int, np.integer)):
         return 1
+    if _is_torch(s):
+        import torch
+
+        return torch.ones_like(s, dtype=torch.int64)
     from tvm import tirx
 
     return tirx.const(1, s.dtype)
@@ -214,6 +245,8 @@ def saturate(v: IntLike, bits: int, signed: bool = True) -> IntLike:
     _check_int(v, "saturate operand")
     if isinstance(v, np.ndarray):
         return np.clip(v.astype(np.int64), lo, hi)
+    if _is_torch(v):
+        return _as_int64(v).clamp(lo, hi)
     if _is_concrete(v):
         return min(max(int(v), lo), hi)
     return select(v < lo, lo, select(v > hi, hi, v))
@@ -223,6 +256,28 @@ def bits_for(lo: int, hi: int) -> int:
     """Smallest two's-complement width (sign bit included) holding [lo, hi]."""
     need = max(int(hi).bit_length(), (-int(lo) - 1).bit_length() if lo < 0 else 0)
     return need + 1
+
+
+def bit_length(v: IntLike, max_bits: int = 62) -> IntLike:
+    """Bit length of ``0 <= v < 2**max_bits`` (0 for 0): a leading-zero count.
+
+    Binary search over the bit position, branch-free, so it lowers to a handful of
+    compares and shifts on every backend (shift-based norms use it for log2).
+    """
+    if not 1 <= max_bits <= 62:
+        raise ValueError(f"bit_length handles up to 62 bits, asked for {max_bits}")
+    _check_int(v, "bit_length operand")
+    v = _as_int64(v)
+    _check_range(v, 0, (1 << max_bits) - 1, "bit_length operand")
+    n = v * 0
+    rest = v
+    step = 1 << max(0, (max_bits - 1).bit_length() - 1)  # steps sum to >= max_bits - 1
+    while step >= 1:
+        big = rest >= (1 << step)
+        rest = select(big, rest >> step, rest)
+        n = select(big, n + step, n)
+        step >>= 1
+    return select(rest > 0, n + 1, n)
 
 
 # --------------------------------------------------------------------------- dyadic

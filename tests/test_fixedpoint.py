@@ -232,3 +232,30 @@ def test_round_parse():
     assert Round.parse("half_even") is Round.HALF_EVEN
     with pytest.raises(ValueError, match="unknown rounding mode"):
         Round.parse("stochastic")
+
+
+def test_bit_length():
+    v = np.array([0, 1, 2, 3, 4, 7, 8, 255, 256, 2**40 - 1, 2**40, 2**62 - 1], dtype=np.int64)
+    assert fp.bit_length(v).tolist() == [int(x).bit_length() for x in v]
+    small = np.arange(1 << 12, dtype=np.int64)
+    assert fp.bit_length(small, 12).tolist() == [int(x).bit_length() for x in small]
+    with pytest.raises(OverflowError, match="bit_length"):
+        fp.bit_length(np.array([1 << 12]), 12)
+
+
+def test_same_bodies_on_torch_int64():
+    """The QAT layers run these functions on torch tensors: results must be identical."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    v = rng.integers(-(2**40), 2**40, 5000)
+    d = rng.integers(1, 2**20, 5000)
+    for mode in ALL_MODES:
+        assert fp.rshift_round(torch.from_numpy(v), 7, mode).numpy().tolist() == fp.rshift_round(v, 7, mode).tolist()
+        assert fp.div_round(torch.from_numpy(v), torch.from_numpy(d), mode).numpy().tolist() == fp.div_round(v, d, mode).tolist()
+    u = np.abs(v)
+    assert fp.isqrt(torch.from_numpy(u)).numpy().tolist() == fp.isqrt(u).tolist()
+    assert fp.rsqrt(torch.from_numpy(d), 20).numpy().tolist() == fp.rsqrt(d, 20).tolist()
+    assert fp.bit_length(torch.from_numpy(u)).numpy().tolist() == fp.bit_length(u).tolist()
+    assert fp.saturate(torch.from_numpy(v), 8).numpy().tolist() == fp.saturate(v, 8).tolist()
+    with pytest.raises(ValueError, match="integer tensor"):
+        fp.isqrt(torch.tensor([4.0]))
