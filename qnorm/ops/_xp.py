@@ -1,0 +1,42 @@
+"""Row reductions and element helpers that mean the same on numpy and torch.
+
+Golden ops write their ``_forward`` with operators, :mod:`qnorm.fixedpoint` and
+these helpers only, so the QAT layers run the identical body on torch int64 tensors
+(bit-identity by construction, not by a second implementation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def row_sum(x: Any) -> Any:
+    """Sum over the last axis, keeping it (int64 in, int64 out)."""
+    if is_torch(x):
+        return x.sum(dim=-1, keepdim=True)
+    return x.sum(axis=-1, keepdims=True, dtype=np.int64)
+
+
+def absolute(x: Any) -> Any:
+    return x.abs() if is_torch(x) else np.abs(x)
+
+
+def take_prefix(x: Any, k: int) -> Any:
+    """The first ``k`` elements of every row (partial statistics)."""
+    return x[..., :k]
+
+
+def const_like(x: Any, values: np.ndarray) -> Any:
+    """An int64 constant (e.g. per-channel multipliers) on the operand's backend/device."""
+    values = np.asarray(values, dtype=np.int64)
+    if is_torch(x):
+        import torch
+
+        return torch.as_tensor(values, dtype=torch.int64, device=x.device)
+    return values
