@@ -22,8 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest -q -n auto
 
+# pytest exits 5 when a marker selects nothing; that is not a failure here.
 test-slow: $(STAMP)
-	$(VPY) -m pytest -q -m slow
+	$(VPY) -m pytest -q -n auto -m slow || [ $$? -eq 5 ]
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
