@@ -336,8 +336,32 @@ def dyadic_vector(xs: np.ndarray, mult_bits: int = 16, max_shift: int = 62) -> t
         raise ValueError("per-channel constants contain NaN or Inf")
     big = float(np.max(np.abs(xs))) if xs.size else 0.0
     s = Dyadic.from_float(big, mult_bits, max_shift).s if big > 0 else 0
-    ms = np.array([_round_fraction(Fraction(float(x)) * (1 << s)) for x in xs.ravel()], dtype=np.int64)
-    return ms.reshape(xs.shape), s
+    # x * 2**s is exact in float64 (a power-of-two scaling that stays below 2**31),
+    # so rounding it with the exact float rule equals rounding the exact rational.
+    return round_float(np.ldexp(xs, s)).astype(np.int64), s
+
+
+def round_float(t: np.ndarray, mode: Round | str = DEFAULT_ROUND) -> np.ndarray:
+    """Round float64 values to integers (as float64) by ``mode``, exactly.
+
+    The float -> int boundary (quantizers, constant derivation): ``t - floor(t)``
+    is exact for |t| < 2**52, so ties are recognised exactly, unlike
+    ``floor(t + 0.5)`` which rounds 0.49999999999999994 up.
+    """
+    mode = Round.parse(mode)
+    fl = np.floor(t)
+    frac = t - fl
+    if mode is Round.FLOOR:
+        return fl
+    if mode is Round.CEIL:
+        return np.ceil(t)
+    if mode is Round.TRUNC:
+        return np.trunc(t)
+    if mode is Round.HALF_UP:
+        return fl + (frac >= 0.5)
+    if mode is Round.HALF_AWAY:
+        return np.where(t >= 0, fl + (frac >= 0.5), fl + (frac > 0.5))
+    return np.where(frac == 0.5, fl + (fl % 2), fl + (frac > 0.5))
 
 
 def _round_fraction(q: Fraction) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qnorm.fixedpoint import DEFAULT_ROUND, Round, int_range
+from qnorm.fixedpoint import DEFAULT_ROUND, Round, int_range, round_float
 
 
 @dataclass(frozen=True)
@@ -77,21 +77,3 @@ class QFormat:
                     f"{self.bits}-bit {kind} range [{self.lo}, {self.hi}]"
                 )
         return q.astype(np.int64)
-
-
-def round_float(t: np.ndarray, mode: Round | str = DEFAULT_ROUND) -> np.ndarray:
-    """Round float64 values to integers (as float64) by ``mode``, exactly."""
-    mode = Round.parse(mode)
-    fl = np.floor(t)
-    frac = t - fl
-    if mode is Round.FLOOR:
-        return fl
-    if mode is Round.CEIL:
-        return np.ceil(t)
-    if mode is Round.TRUNC:
-        return np.trunc(t)
-    if mode is Round.HALF_UP:
-        return fl + (frac >= 0.5)
-    if mode is Round.HALF_AWAY:
-        return np.where(t >= 0, fl + (frac >= 0.5), fl + (frac > 0.5))
-    return np.where(frac == 0.5, fl + (fl % 2), fl + (frac > 0.5))

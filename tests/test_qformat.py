@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from qnorm.fixedpoint import Round
-from qnorm.qformat import QFormat, round_float
+from qnorm.fixedpoint import round_float
+from qnorm.qformat import QFormat
 
 
 def test_quantize_half_up_ties_exact():
