@@ -315,14 +315,14 @@ class Dyadic:
         limit = 1 << (mult_bits - 1)
         if exact == 0:
             return cls(0, 0)
-        if abs(_round_fraction(exact)) >= limit:
+        if abs(round_fraction(exact)) >= limit:
             raise ValueError(
                 f"constant {x!r} does not fit a signed {mult_bits}-bit multiplier even at shift 0"
             )
         s = 0
-        while s < max_shift and abs(_round_fraction(exact * (1 << (s + 1)))) < limit:
+        while s < max_shift and abs(round_fraction(exact * (1 << (s + 1)))) < limit:
             s += 1
-        return cls(_round_fraction(exact * (1 << s)), s)
+        return cls(round_fraction(exact * (1 << s)), s)
 
 
 def dyadic_vector(xs: np.ndarray, mult_bits: int = 16, max_shift: int = 62) -> tuple[np.ndarray, int]:
@@ -364,7 +364,7 @@ def round_float(t: np.ndarray, mode: Round | str = DEFAULT_ROUND) -> np.ndarray:
     return np.where(frac == 0.5, fl + (fl % 2), fl + (frac > 0.5))
 
 
-def _round_fraction(q: Fraction) -> int:
+def round_fraction(q: Fraction) -> int:
     """Round half up, on an exact rational (used when deriving constants)."""
     return math.floor(q + Fraction(1, 2))
 

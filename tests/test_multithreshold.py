@@ -1,0 +1,254 @@
+"""BN + quantized activation: exact rational definition == FINN-style multi-threshold."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qnorm.analysis import OverflowRiskError
+from qnorm.fixedpoint import Round
+from qnorm.ops.bnfold import RationalBN, level_event
+from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold, measure_error
+from qnorm.qformat import QFormat
+
+ALL_MODES = list(Round)
+
+
+def exact_round(x: Fraction, mode: Round) -> int:
+    """Reference rounding of an exact rational, independent of qnorm."""
+    fl = math.floor(x)
+    frac = x - fl
+    if mode is Round.FLOOR:
+        return fl
+    if mode is Round.CEIL:
+        return math.ceil(x)
+    if mode is Round.TRUNC:
+        return int(x)
+    if frac != Fraction(1, 2):
+        return fl + (frac > Fraction(1, 2))
+    if mode is Round.HALF_UP:
+        return fl + 1
+    if mode is Round.HALF_EVEN:
+        return fl + (fl % 2)
+    return fl + 1 if x > 0 else fl
+
+
+def bn_z(bn: RationalBN, c: int, x: int) -> Fraction:
+    """z(x) = G (2^F x - M) / (D 2^S) + B / 2^Fo for flat channel c, straight from the fields."""
+    g, m, d, b = (int(a.ravel()[c]) for a in (bn.gamma_m, bn.mean_q, bn.std_q, bn.beta_q))
+    return Fraction(g * ((x << bn.frac_bits) - m), d << bn.gamma_shift) + Fraction(b, 1 << bn.out_frac_bits)
+
+
+def reference_levels(bn: RationalBN, cfg: BNActConfig, xs: np.ndarray) -> np.ndarray:
+    """Exact BN + rounding + clamp for every x and channel (xs: (N, C))."""
+    out = np.empty(xs.shape, dtype=np.int64)
+    for c in range(xs.shape[1]):
+        for i, x in enumerate(xs[:, c].tolist()):
+            q = exact_round(bn_z(bn, c, x), cfg.mode)
+            out[i, c] = min(max(q, cfg.out_fmt.lo), cfg.out_fmt.hi)
+    return out
+
+
+def make_bn(rows: list[tuple[int, int, int, int]], shift: int, frac: int, out_frac: int) -> RationalBN:
+    """Channels given as (G, M, D, B) integers."""
+    g, m, d, b = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    return RationalBN(g, shift, m, d, frac, b, out_frac)
+
+
+def adversarial_bn() -> RationalBN:
+    """z(x) per channel (S = 2, F = 1, Fo = 1; z = G (2x - M) / (4 D) + B / 2):
+
+    0: z = x/2: a rounding tie at every odd x      1: z = -x/2 (gamma < 0, ties)
+    2: z = x/4 + 1/2: thresholds on the grid        3: gamma = 0, z = 3/2 (tie constant)
+    4: gamma = 0, z = -7/2 (constant, clamped low)  5: steep z = 5x: thresholds packed
+    6: flat z = x/32 - 1/2: thresholds beyond int4  7: z = -(x - 3)/3 + 1/2 (gamma < 0, off-grid)
+    """
+    rows = [(2, 0, 2, 0), (-2, 0, 2, 0), (1, 0, 2, 1), (0, 0, 1, 3), (0, 0, 1, -7),
+            (40, 0, 4, 0), (1, 0, 16, -1), (-4, 6, 6, 1)]  # fmt: skip
+    return make_bn(rows, shift=2, frac=1, out_frac=1)
+
+
+OUT_FORMATS = [
+    QFormat(4, 1.0, signed=False),
+    QFormat(4, 1.0, signed=True),
+    QFormat(2, 1.0, signed=False),
+    QFormat(8, 1.0),
+]
+
+
+@pytest.mark.parametrize("in_bits", [8, 4])
+@pytest.mark.parametrize("out_fmt", OUT_FORMATS, ids=str)
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_multithreshold_equals_definition_exhaustively(in_bits, out_fmt, mode):
+    bn = adversarial_bn()
+    cfg = BNActConfig(QFormat(in_bits, 1.0), out_fmt, mode)
+    lo, hi = cfg.in_fmt.lo, cfg.in_fmt.hi
+    xs = np.repeat(np.arange(lo, hi + 1, dtype=np.int64)[:, None], 8, axis=1)
+    unfolded = BNQuant(cfg, bn)
+    want = reference_levels(bn, cfg, xs)
+    assert np.array_equal(unfolded(xs), want)
+    assert np.array_equal(unfolded.fold()(xs), want)
+
+
+def test_adversarial_channels_hit_ties_and_grid():
+    """The exhaustive test really exercises ties, on-grid thresholds and clamping."""
+    bn = adversarial_bn()
+    xs = range(-128, 128)
+    assert any(bn_z(bn, 0, x).denominator == 2 for x in xs)  # z on a tie (k - 1/2)
+    assert any(bn_z(bn, 1, x).denominator == 2 for x in xs)
+    assert any(bn_z(bn, 2, x) - Fraction(1, 2) == round(bn_z(bn, 2, x) - Fraction(1, 2)) for x in xs)
+    mt = MultiThreshold(BNActConfig(QFormat(4, 1.0), QFormat(4, 1.0, signed=False)), bn)
+    assert mt.direction.tolist() == [1, -1, 1, 0, 0, 1, 1, -1]
+    assert set(mt.thresholds[6].tolist()) <= {-8, 8}  # flat channel: clamped to the int4 ends
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_level_event_matches_rounding(mode):
+    zs = [Fraction(n, 4) for n in range(-40, 41)]
+    for k in range(-6, 7):
+        c, strict = level_event(mode, k)
+        for z in zs:
+            assert (exact_round(z, mode) >= k) == (z > c if strict else z >= c), (mode, k, z)
+
+
+def test_thresholds_sorted_in_crossing_order():
+    bn = adversarial_bn()
+    mt = MultiThreshold(BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0, signed=False)), bn)
+    for t, d in zip(mt.thresholds, mt.direction):
+        steps = np.diff(t)
+        assert np.all(steps <= 0) if d < 0 else np.all(steps >= 0)
+
+
+def test_from_float_ties_on_the_grid():
+    # z = 0.5 x / 1 + 0: every odd x is exactly a tie; half up sends 1/2 to 1, -1/2 to 0.
+    cfg = BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0), Round.HALF_UP)
+    op = BNQuant.from_float([0.5, -0.5], 0.0, 0.0, 1.0, 0.0, cfg)
+    x = np.array([[1, 1], [-1, -1], [3, 3], [-3, -3]])
+    assert op(x).tolist() == [[1, 0], [0, 1], [2, -1], [-1, 2]]
+    assert np.array_equal(op.fold()(x), op(x))
+    mt = op.fold()
+    assert mt.thresholds[0, 8].item() == 1  # level 1 (k - 1/2 = 1/2) exactly at x = 1
+
+
+gammas = st.one_of(st.just(0.0), st.floats(-4, 4, allow_nan=False, width=32))
+
+
+@given(
+    gamma=st.lists(gammas, min_size=1, max_size=5),
+    data=st.data(),
+    mode=st.sampled_from(ALL_MODES),
+    signed_out=st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_from_float_fold_exhaustive_int8(gamma, data, mode, signed_out):
+    n = len(gamma)
+
+    def vec(lo: float, hi: float) -> np.ndarray:
+        return np.array(data.draw(st.lists(st.floats(lo, hi, width=32), min_size=n, max_size=n)))
+
+    cfg = BNActConfig(QFormat(8, 0.05), QFormat(4, 0.25, signed_out), mode)
+    op = BNQuant.from_float(gamma, vec(-2, 2), vec(-3, 3), vec(0, 4), 1e-3, cfg)
+    xs = np.repeat(np.arange(-128, 128, dtype=np.int64)[:, None], n, axis=1)
+    want = op(xs)
+    assert np.array_equal(op.fold()(xs), want)
+    assert np.array_equal(want, reference_levels(op.bn, cfg, xs))
+
+
+def test_per_neuron_parameters_and_batches():
+    rng = np.random.default_rng(3)
+    shape = (3, 4)
+    cfg = BNActConfig(QFormat(8, 0.1), QFormat(3, 0.5, signed=False))
+    op = BNQuant.from_float(rng.normal(0, 1, shape), rng.normal(0, 1, shape), rng.normal(0, 1, shape),
+                            rng.uniform(0.1, 2, shape), 1e-5, cfg)  # fmt: skip
+    x = rng.integers(-128, 128, (10, 3, 4))
+    assert np.array_equal(op.fold()(x), op(x))
+    assert op.fold().thresholds.shape == (3, 4, 7)
+
+
+def test_same_body_on_torch_int64():
+    torch = pytest.importorskip("torch")
+    cfg = BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0, signed=False))
+    op = BNQuant(cfg, adversarial_bn())
+    mt = op.fold()
+    x = np.repeat(np.arange(-128, 128, dtype=np.int64)[:, None], 8, axis=1)
+    tx = torch.from_numpy(x)
+    assert torch.equal(mt._forward(tx, None), torch.from_numpy(mt(x)))
+    assert torch.equal(op._forward(tx, None), torch.from_numpy(op(x)))
+
+
+def test_ranges_reached_exhaustively_and_never_exceeded():
+    cfg = BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0, signed=False))
+    op = BNQuant(cfg, adversarial_bn())
+    x = np.repeat(np.arange(-128, 128, dtype=np.int64)[:, None], 8, axis=1)
+    rep, trace = op.ranges(), {}
+    op(x, trace)
+    for name in ("bn_numerator", "level"):
+        assert int(trace[name].min()) == rep[name].lo and int(trace[name].max()) == rep[name].hi, name
+    mt_trace = {}
+    mt = op.fold()
+    mt(x, mt_trace)
+    assert mt_trace["count"].min() >= 0 and mt_trace["count"].max() <= mt.ranges()["count"].hi
+
+
+def test_overflowing_numerator_refused():
+    bn = make_bn([(30000, 0, 1, 0)], shift=40, frac=30, out_frac=10)
+    with pytest.raises(OverflowRiskError, match="'bn_"):
+        BNQuant(BNActConfig(QFormat(16, 1.0), QFormat(4, 1.0)), bn)
+
+
+def test_error_against_float_is_measured():
+    rng = np.random.default_rng(0)
+    c = 16
+    cfg = BNActConfig(QFormat(8, 0.05), QFormat(4, 0.25, signed=False))
+    op = BNQuant.from_float(rng.normal(1, 0.3, c), rng.normal(0, 0.5, c), rng.normal(0, 1, c),
+                            rng.uniform(0.5, 2, c), 1e-5, cfg)  # fmt: skip
+    x = rng.integers(-128, 128, (4096, c))
+    stats = measure_error(op.fold(), x)
+    assert stats.max_lsb <= 1.0 and stats.within_1lsb == 1.0  # parameter rounding moves a level by <= 1
+    assert 0.0 <= stats.mean_lsb < 0.01
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(gamma=[1.0, np.nan]), "gamma"),
+        (dict(beta=np.inf), "beta"),
+        (dict(mean=[np.nan]), "mean"),
+        (dict(var=[np.nan, 1.0]), "var"),
+        (dict(eps=np.inf), "eps"),
+        (dict(var=[-1.0, 1.0]), "var must be >= 0"),
+        (dict(eps=-1e-5), "eps must be >= 0"),
+        (dict(gamma=[1.0, 2.0, 3.0]), "broadcast"),
+        (dict(gamma=["a", "b"]), "real-valued"),
+        (dict(var=[0.0, 0.0], eps=0.0), "zero standard deviation"),
+    ],
+)
+def test_bad_parameters(kwargs, match):
+    base = dict(gamma=[1.0, -1.0], beta=[0.0, 0.0], mean=[0.0, 0.0], var=[1.0, 1.0], eps=1e-5)
+    base.update(kwargs)
+    cfg = BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0))
+    with pytest.raises(ValueError, match=match):
+        BNQuant.from_float(**base, cfg=cfg)
+
+
+def test_bad_inputs():
+    op = BNQuant.from_float([1.0, 2.0], 0.0, 0.0, 1.0, 1e-5, BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0)))
+    mt = op.fold()
+    for f in (op, mt):
+        with pytest.raises(ValueError, match="integer"):
+            f(np.zeros((3, 2)))
+        with pytest.raises(ValueError, match="outside the declared"):
+            f(np.array([[128, 0]]))
+        with pytest.raises(ValueError, match="must end with the parameter shape"):
+            f(np.zeros((3, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match="levels"):
+        MultiThreshold(BNActConfig(QFormat(8, 1.0), QFormat(12, 1.0)), op.bn)
+    with pytest.raises(ValueError, match="QFormat"):
+        BNActConfig(8, QFormat(4, 1.0))
+    with pytest.raises(ValueError, match="unknown rounding mode"):
+        BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0), "stochastic")
+    with pytest.raises(ValueError, match="std_q"):
+        make_bn([(1, 0, 0, 0)], 0, 0, 0)
