@@ -108,8 +108,18 @@ def select(cond: Any, a: Any, b: Any) -> Any:
         return np.where(cond, a, b)
     if isinstance(cond, (bool, np.bool_)):
         return a if cond else b
-    from tvm import tirx  # symbolic operand: only reached from the TVM lowering
+    return _tir_select(cond, a, b)
 
+
+def _tir_select(cond: Any, a: Any, b: Any) -> Any:
+    """TIR Select does not promote: a Python int beside an int64 branch must be cast."""
+    from tvm import runtime, tirx  # symbolic operand: only reached from the TVM lowering
+
+    a, b = runtime.convert(a), runtime.convert(b)
+    if isinstance(a, int) and not isinstance(b, int):
+        a = tirx.const(a, str(b.ty))
+    if isinstance(b, int) and not isinstance(a, int):
+        b = tirx.const(b, str(a.ty))
     return tirx.Select(cond, a, b)
 
 
@@ -190,7 +200,7 @@ def _one_like(s: Any) -> Any:
         return torch.ones_like(s, dtype=torch.int64)
     from tvm import tirx
 
-    return tirx.const(1, s.dtype)
+    return tirx.const(1, "int64")
 
 
 # --------------------------------------------------------------------------- division
