@@ -15,6 +15,11 @@ from typing import Callable
 from qnorm.fixedpoint import DEFAULT_ROUND, Round, bits_for, div_round, int_range, rshift_round
 
 
+# fixedpoint's rounding adds a half before shifting and doubles remainders, so its
+# operands live in [-2^62, 2^62): one bit of an int64 is headroom, not range.
+SAFE_INT64_BITS = 63
+
+
 class OverflowRiskError(ValueError):
     """A config whose intermediates cannot be proven to fit the accumulator."""
 
@@ -133,7 +138,7 @@ class RangeReport:
     def max_bits(self) -> int:
         return max(self.widths().values(), default=1)
 
-    def check(self, acc_bits: int = 64) -> "RangeReport":
+    def check(self, acc_bits: int = SAFE_INT64_BITS) -> "RangeReport":
         """Refuse the config if any intermediate needs more than ``acc_bits`` bits."""
         for name, iv in self.items.items():
             if iv.bits > acc_bits:

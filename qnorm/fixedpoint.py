@@ -84,9 +84,14 @@ def _check_int(v: Any, name: str) -> None:
         raise ValueError(f"{name} must be an integer, got float {v!r}")
 
 
-def _check_range(v: Any, lo: int, hi: int, what: str) -> None:
-    """Raise if a concrete operand leaves [lo, hi]; symbolic operands pass."""
-    if not _is_concrete(v):
+def _check_range(v: Any, lo: int, hi: int | None, what: str, int64_guard: bool = False) -> None:
+    """Raise if a concrete operand leaves [lo, hi] (hi None: no upper bound).
+
+    Symbolic operands pass (the range analysis proved them).  ``int64_guard``
+    marks limits that exist only to keep int64 from wrapping: exact Python ints
+    (the analysis' own interval arithmetic) are exempt from those.
+    """
+    if not _is_concrete(v) or (int64_guard and isinstance(v, int)):
         return
     if isinstance(v, np.ndarray) or _is_torch(v):
         if v.numel() == 0 if _is_torch(v) else v.size == 0:
@@ -94,7 +99,7 @@ def _check_range(v: Any, lo: int, hi: int, what: str) -> None:
         vmin, vmax = int(v.min()), int(v.max())
     else:
         vmin = vmax = int(v)
-    if vmin < lo or vmax > hi:
+    if vmin < lo or (hi is not None and vmax > hi):
         raise OverflowError(f"{what}: operand range [{vmin}, {vmax}] outside [{lo}, {hi}]")
 
 
@@ -169,7 +174,7 @@ def rshift_round(v: IntLike, s: IntLike, mode: Round | str = DEFAULT_ROUND) -> I
     v = _as_int64(v)
     if _is_concrete(s):
         _check_range(s, 0, 62, "rshift_round shift amount")
-        _check_range(v, -(1 << 62), (1 << 62) - 1, "rshift_round value")
+        _check_range(v, -(1 << 62), (1 << 62) - 1, "rshift_round value", int64_guard=True)
     one = _one_like(s)
     half = (one << s) >> 1
     if mode is Round.FLOOR:
@@ -218,8 +223,9 @@ def div_round(n: IntLike, d: IntLike, mode: Round | str = DEFAULT_ROUND) -> IntL
     _check_int(d, "div_round divisor")
     n, d = _as_int64(n), _as_int64(d)
     if _is_concrete(d):
-        _check_range(d, 1, 1 << 62, "div_round divisor (must be positive)")
-        _check_range(n, -(1 << 62), (1 << 62) - 1, "div_round numerator")
+        _check_range(d, 1, None, "div_round divisor (must be positive)")
+        _check_range(d, 1, 1 << 62, "div_round divisor", int64_guard=True)
+        _check_range(n, -(1 << 62), (1 << 62) - 1, "div_round numerator", int64_guard=True)
     q = n // d
     r = n % d  # 0 <= r < d
     if mode is Round.FLOOR:
@@ -449,7 +455,8 @@ def rsqrt(v: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND) -> IntL
         raise ValueError(f"rsqrt frac_bits must be in [0, 30], got {frac_bits}")
     _check_int(v, "rsqrt operand")
     v = _as_int64(v)
-    _check_range(v, 1, 1 << 62, "rsqrt operand (must be >= 1)")
+    _check_range(v, 1, None, "rsqrt operand (must be >= 1)")
+    _check_range(v, 1, 1 << 62, "rsqrt operand", int64_guard=True)
     num = 1 << (2 * frac_bits)
     q = num // v
     rem = num % v  # num / v == q + rem / v, 0 <= rem < v

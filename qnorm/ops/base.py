@@ -24,7 +24,8 @@ class IntOp(abc.ABC):
     """A golden integer op: pure integer forward, static ranges, float reference.
 
     Subclasses build all integer constants in ``__init__``/``from_float`` and call
-    ``self.ranges().check()`` there, so an op that exists cannot overflow int64.
+    ``self.ranges().check()`` there, so an op that exists cannot overflow int64
+    (with the one bit of rounding headroom fixedpoint needs).
     The names passed to :func:`record` in ``_forward`` are the names in
     ``ranges()``; the range tests match them up.
     """
@@ -49,4 +50,5 @@ class IntOp(abc.ABC):
         """Validate ``x`` against ``in_fmt`` and run the integer forward."""
         return self._forward(self.in_fmt.check(x), trace)
 
-    __call__ = forward
+    def __call__(self, x: np.ndarray, trace: Trace | None = None) -> np.ndarray:
+        return self.forward(x, trace)

@@ -135,7 +135,7 @@ class BNQuant(_BNActBase):
         report.add("bn_product", Interval.hull(*(v for b in bounds for v in b[:2])))
         report.add("bn_numerator", Interval.hull(*(v for b in bounds for v in b[2:])))
         report.add("bn_denominator", Interval.hull(*den))
-        report.check(63)  # div_round takes numerators within +-2^62: refuse before dividing
+        report.check()  # refuse before dividing: div_round takes numerators within +-2^62
         # the level is monotone in the numerator for a fixed positive denominator
         levels = [fp.div_round(v, d, self.cfg.mode) for b, d in zip(bounds, den) for v in b[2:]]
         report.add("level", Interval.hull(*levels))

@@ -274,8 +274,6 @@ class _LIFNeuron(IntOp):
         """Spikes (int8 0/1) of shape (T, ..., *P) for integer currents of that shape."""
         return super().forward(x, trace).astype(np.int8)
 
-    __call__ = forward
-
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         p = self.params.bn.shape
         if len(shape) < 1 + len(p) or tuple(shape[len(shape) - len(p):]) != p:

@@ -1,0 +1,161 @@
+"""L1 LayerNorm: σ replaced by the mean absolute deviation × sqrt(π/2).
+
+The float op (ShiftQuant's fully quantized L1 normalization) is
+
+    γ (x − μ) / (c · MAD + ε) + β,   MAD = mean |x − μ|,  c = sqrt(π/2)
+
+(c makes c · MAD equal σ for Gaussian rows).  No squares and no square root:
+
+    S = Σx,  d_i = N x_i − S,  A = Σ|d_i| = N² MAD (in LSB, exact)
+    W = A + ε_int,  ε_int = round(ε N² / (c s_in))
+    z_i ≈ 2^(F_z + h) d_i / W,   h = ceil(log2 N)
+
+with ONE reciprocal per row, on W's mantissa.  (x − μ)/(c MAD + ε) = (N/c) d/W:
+N/c = 2^h G is a free shift 2^h (keeping z in units of the L1 scale, like the
+other norms) times G = N / (c 2^h) in (1/(2c), 1/c], folded into the γ multipliers.
+
+Range facts: Σd = 0 makes the positive and the negative d each sum to A/2, so
+|d_i| <= A/2 and |z| <= 2^(F_z + h − 1), reached by [a, b, …, b].  A is the sum
+of |affine| functions, convex, so its maximum over the box is at a vertex: k
+elements at one end give 2 k (N − k)(hi − lo), largest at k = floor(N/2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from qnorm.analysis import Interval, RangeReport
+from qnorm.fixedpoint import DEFAULT_ROUND, Round, reciprocal
+from qnorm.ops._normcore import (
+    DEFAULT_IN,
+    DEFAULT_OUT,
+    NormConfig,
+    NormOp,
+    StatBounds,
+    centered,
+    centered_ranges,
+    check_int,
+    round_rational,
+)
+from qnorm.ops._xp import absolute, row_sum
+from qnorm.ops.base import Trace, record
+from qnorm.qformat import QFormat
+
+# 1/c = sqrt(2/π) as the float64 it rounds to: the one irrational constant, taken
+# at its exact binary value (IEEE-754 sqrt is correctly rounded: reproducible).
+INV_C = math.sqrt(2 / math.pi)
+MAX_RECIP_FRAC = 60  # fixedpoint.reciprocal takes up to 61 fraction bits; we use F_r + 1
+
+
+@dataclass(frozen=True)
+class L1NormConfig(NormConfig):
+    """L1LayerNorm config.  ``r = round(2^(F_r+1) / (2M + 1))``, F_r = mant_bits + inv_bits.
+
+    Dividing by the mantissa's midpoint M + 1/2: when e > 0 the true W/2^e lies in
+    [M, M + 1), and the midpoint halves the worst-case error.  It also keeps r off
+    2^(inv_bits+1), which 1/M reaches at the single input M = 2^(mant_bits−1): with
+    inv_bits >= mant_bits − 1, r lies in (2^inv_bits, 2^(inv_bits+1)) and needs
+    exactly inv_bits + 1 bits.  For e <= 0 (exact M) the midpoint costs a relative
+    bias below 2^-mant_bits.
+    """
+
+    inv_bits: int = 16
+
+    p = 1
+    default_mant_bits = 16
+
+    def _check_inverse(self) -> None:
+        check_int("inv_bits", self.inv_bits, 1)
+        if self.inv_frac_bits > MAX_RECIP_FRAC:
+            raise ValueError(
+                f"mant_bits + inv_bits must be <= {MAX_RECIP_FRAC} (fixedpoint.reciprocal), "
+                f"got mant_bits={self.mant_bits}, inv_bits={self.inv_bits}"
+            )
+
+    @property
+    def inv_frac_bits(self) -> int:
+        return self.mant_bits + self.inv_bits
+
+    @property
+    def pre_shift(self) -> int:
+        return (self.n - 1).bit_length()  # ceil(log2 N)
+
+    def gain_factor(self) -> float:
+        return self.n * INV_C / (1 << self.pre_shift)
+
+    def eps_units(self, eps: float) -> int:
+        # c MAD + ε = c (A + ε N² / (c s_in)) s_in / N²
+        return round_rational(Fraction(eps) * self.n**2 * Fraction(INV_C) / Fraction(self.in_fmt.scale))
+
+
+class L1LayerNorm(NormOp):
+    """L1 LayerNorm over the last axis (see the module docstring)."""
+
+    name = "l1_layernorm"
+    config_cls = L1NormConfig
+    inverse_name = "recip"
+
+    @classmethod
+    def from_float(
+        cls,
+        gamma: Any,
+        beta: Any = None,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        inv_bits: int = 16,
+        mult_bits: int = 16,
+        rounding: Round | str = DEFAULT_ROUND,
+    ) -> L1LayerNorm:
+        """Quantize float γ (N,), β (N,) or None, ε >= 0 (real units of σ)."""
+        return cls._build(
+            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, inv_bits=inv_bits
+        )
+
+    def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
+        _, d = centered(x, self.config.n, trace)
+        a = record(trace, "sum_abs", row_sum(absolute(d)))
+        return record(trace, "stat", a + self.config.eps), d
+
+    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
+        """|d_i| <= A/2 = (W − ε)/2 and |d_i| <= D = (N−1)(hi − lo); both reached
+        together by [lo, hi, …, hi]."""
+        cfg = self.config
+        d = centered_ranges(rep, cfg)
+        span = cfg.in_fmt.hi - cfg.in_fmt.lo
+        a = rep.add("sum_abs", Interval(0, 2 * (cfg.n // 2) * ((cfg.n + 1) // 2) * span))
+        w = rep.add("stat", a + cfg.eps)
+        return StatBounds(w, rep["centered"], Fraction(1, 2), cfg.eps, d)
+
+    def _inverse(self, m: Any, trace: Trace | None) -> Any:
+        cfg = self.config
+        return record(trace, "recip", reciprocal(m + m + 1, cfg.inv_frac_bits + 1, cfg.rounding))
+
+    def _inverse_range(self, m_iv: Interval) -> Interval:
+        cfg = self.config
+        f = cfg.inv_frac_bits + 1
+        return Interval(reciprocal(2 * m_iv.hi + 1, f, cfg.rounding), reciprocal(2 * m_iv.lo + 1, f, cfg.rounding))
+
+    def float_reference(self, x: np.ndarray) -> np.ndarray:
+        """The true L1 norm in float64: γ (x − μ) / (sqrt(π/2) MAD + ε) + β."""
+        t = self.float_rows(x)
+        dev = t - t.mean(dim=-1, keepdim=True)
+        mad = dev.abs().mean(dim=-1, keepdim=True)
+        return self.float_affine(dev / (math.sqrt(math.pi / 2) * mad + self.params.eps))
+
+    def cost(self) -> dict[str, dict[str, int]]:
+        n = self.config.n
+        return {
+            # Σx, |d| and Σ|d|, + ε, leading-zero count, mantissa shift, one division
+            "per_row": {"add": 2 * (n - 1) + 1, "abs": n, "mul": 0, "div": 1, "sqrt": 0, "lzc": 1, "shift": 1},
+            # N·x (constant), − S, u shift, u·r, z shift, z·m, + B, y shift, saturate
+            "per_element": {"const_mul": 1, "add": 2, "mul": 2, "shift": 3, "saturate": 1},
+        }

@@ -1,0 +1,184 @@
+"""Integer LayerNorm (L2): γ (x − μ) / sqrt(σ² + ε) + β with an exact integer rsqrt.
+
+Per row of N integers x (any width 4–16 bits, any positive scale s_in):
+
+    S = Σx,  Q = Σx²,  d_i = N x_i − S,  V = N Q − S²  (= N² σ² in LSB², exact)
+    W = V + ε_int,  ε_int = round(ε N² / s_in²)
+    z_i ≈ 2^F_z d_i / sqrt(W)   (= 2^F_z (x_i − μ)/sqrt(σ² + ε), in Q.F_z)
+
+with one exact ``fixedpoint.rsqrt`` per row on W's 30/31-bit mantissa, then the
+shared affine stage.  Two facts carry the range analysis:
+
+* V = Σ_{i<j} (x_i − x_j)², so 0 <= V <= floor(N/2) ceil(N/2) (hi − lo)²: V is
+  convex in each x_i, so its maximum over the box sits at a vertex, and a vertex
+  with k elements at one end gives k (N − k)(hi − lo)².
+* Σ d_i = 0, so by Cauchy–Schwarz d_i² <= (N−1) Σ_{j≠i} d_j² = (N−1)(N V − d_i²),
+  i.e. d_i² <= (N−1) V: |z| <= sqrt(N−1) 2^F_z, reached by a row [a, b, …, b].
+
+N = 1 is legal: d = 0, so every output is β (rounded to the output grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from qnorm.analysis import Interval, RangeReport
+from qnorm.fixedpoint import DEFAULT_ROUND, Round, rsqrt
+from qnorm.ops._normcore import (
+    DEFAULT_IN,
+    DEFAULT_OUT,
+    NormConfig,
+    NormOp,
+    StatBounds,
+    centered,
+    centered_ranges,
+    check_int,
+    round_rational,
+    rsqrt_mode,
+)
+from qnorm.ops._xp import row_sum
+from qnorm.ops.base import Trace, record
+from qnorm.qformat import QFormat
+
+# fixedpoint.rsqrt forms 2^(2 F_r) in int64, so F_r = mant_bits/2 + inv_bits <= 30.
+MAX_RSQRT_FRAC = 30
+
+
+@dataclass(frozen=True)
+class RsqrtConfig(NormConfig):
+    """A config whose per-row inverse is ``r = rsqrt(M, mant_bits/2 + inv_bits)``.
+
+    With M in [2^(mb−1), 2^(mb+1)), r lies in [2^(inv_bits − 1/2), 2^(inv_bits + 1/2)]:
+    a relative precision of 2^-inv_bits from an (inv_bits + 1)-bit unsigned value.
+    """
+
+    inv_bits: int = 15
+
+    def _check_inverse(self) -> None:
+        check_int("inv_bits", self.inv_bits, 1)
+        if self.inv_frac_bits > MAX_RSQRT_FRAC:
+            raise ValueError(
+                f"mant_bits/2 + inv_bits must be <= {MAX_RSQRT_FRAC} (fixedpoint.rsqrt), "
+                f"got mant_bits={self.mant_bits}, inv_bits={self.inv_bits}"
+            )
+
+    @property
+    def inv_frac_bits(self) -> int:
+        return self.mant_bits // 2 + self.inv_bits
+
+
+def rsqrt_inverse(m: Any, cfg: RsqrtConfig, trace: Trace | None) -> Any:
+    return record(trace, "rsqrt", rsqrt(m, cfg.inv_frac_bits, rsqrt_mode(cfg.rounding)))
+
+
+def rsqrt_inverse_range(m_iv: Interval, cfg: RsqrtConfig) -> Interval:
+    mode = rsqrt_mode(cfg.rounding)
+    return Interval(rsqrt(m_iv.hi, cfg.inv_frac_bits, mode), rsqrt(m_iv.lo, cfg.inv_frac_bits, mode))
+
+
+@dataclass(frozen=True)
+class LayerNormConfig(RsqrtConfig):
+    """IntLayerNorm config: W = N Σx² − (Σx)² + ε_int."""
+
+    def eps_units(self, eps: float) -> int:
+        return variance_eps_units(self, eps)
+
+
+def variance_eps_units(cfg: NormConfig, eps: float) -> int:
+    """σ² + ε = (V + ε N² / s_in²) s_in² / N²: ε in units of V."""
+    return round_rational(Fraction(eps) * cfg.n**2 / Fraction(cfg.in_fmt.scale) ** 2)
+
+
+def variance(x: Any, s: Any, n: int, eps: int, trace: Trace | None) -> Any:
+    """W = N Σx² − (Σx)² + ε_int (exact)."""
+    q = record(trace, "sum_sq", row_sum(x * x))
+    nq = record(trace, "n_sum_sq", n * q)
+    ss = record(trace, "sum_squared", s * s)
+    v = record(trace, "var", nq - ss)
+    return record(trace, "stat", v + eps)
+
+
+def variance_ranges(rep: RangeReport, cfg: NormConfig) -> StatBounds:
+    """Ranges of the variance pipeline and the relation for d.
+
+    d_i² <= (N−1) V = (N−1)(W − ε) (module docstring) and |d_i| <= D = (N−1)(hi − lo);
+    both are reached together by [lo, hi, …, hi].  The element products N·x and
+    x·x are bounded by n_sum_sq and sum_sq and need no entry of their own.
+    """
+    d = centered_ranges(rep, cfg)
+    x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
+    q = rep.add("sum_sq", x.square() * cfg.n)
+    rep.add("n_sum_sq", q * cfg.n)
+    rep.add("sum_squared", rep["sum"].square())
+    span = x.hi - x.lo
+    v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
+    w = rep.add("stat", v + cfg.eps)
+    return StatBounds(w, rep["centered"], Fraction(cfg.n - 1), cfg.eps, d * d)
+
+
+def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:
+    """torch.nn.functional.layer_norm in float64 with the op's float γ, β, ε."""
+    import torch
+    import torch.nn.functional as F
+
+    p = op.params
+    t = op.float_rows(x)
+    return F.layer_norm(t, (op.config.n,), torch.from_numpy(p.gamma), torch.from_numpy(p.beta), p.eps).numpy()
+
+
+class IntLayerNorm(NormOp):
+    """Integer LayerNorm over the last axis (see the module docstring)."""
+
+    name = "int_layernorm"
+    config_cls = LayerNormConfig
+    inverse_name = "rsqrt"
+
+    @classmethod
+    def from_float(
+        cls,
+        gamma: Any,
+        beta: Any = None,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        inv_bits: int = 15,
+        mult_bits: int = 16,
+        rounding: Round | str = DEFAULT_ROUND,
+    ) -> IntLayerNorm:
+        """Quantize float γ (N,), β (N,) or None, ε >= 0 (real units of σ²)."""
+        return cls._build(
+            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, inv_bits=inv_bits
+        )
+
+    def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
+        s, d = centered(x, self.config.n, trace)
+        return variance(x, s, self.config.n, self.config.eps, trace), d
+
+    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
+        return variance_ranges(rep, self.config)
+
+    def _inverse(self, m: Any, trace: Trace | None) -> Any:
+        return rsqrt_inverse(m, self.config, trace)
+
+    def _inverse_range(self, m_iv: Interval) -> Interval:
+        return rsqrt_inverse_range(m_iv, self.config)
+
+    def float_reference(self, x: np.ndarray) -> np.ndarray:
+        return layer_norm_reference(self, x)
+
+    def cost(self) -> dict[str, dict[str, int]]:
+        n = self.config.n
+        return {
+            # Σx, Σx² (N squares), N·Q and S², V, + ε, leading-zero count, mantissa
+            # shift, rsqrt (one division and one isqrt inside fixedpoint.rsqrt)
+            "per_row": {"add": 2 * (n - 1) + 2, "mul": n + 2, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1},
+            # N·x (constant), − S, u shift, u·r, z shift, z·m, + B, y shift, saturate
+            "per_element": {"const_mul": 1, "add": 2, "mul": 2, "shift": 3, "saturate": 1},
+        }

@@ -1,0 +1,162 @@
+"""Integer RMSNorm γ x / sqrt(mean(x²) + ε) + β, and partial RMSNorm.
+
+``partial = p`` in (0, 1] takes the statistic from the first k = ceil(p N)
+elements of each row and applies it to the whole row (pRMSNorm).  Per row:
+
+    Q = Σ_{i<k} x_i²,  W = Q + ε_int,  ε_int = round(ε k / s_in²)
+    z_i ≈ 2^(F_z + h) x_i / sqrt(W)
+
+with one exact ``fixedpoint.rsqrt`` on W's mantissa.  x / sqrt(Q/k + ε/s_in²) =
+sqrt(k) x / sqrt(W): the factor sqrt(k) = 2^h · G is split into a free shift
+(h = ceil(log2(k) / 2), which keeps z in units of the RMS like LayerNorm's z) and
+a constant G = sqrt(k) / 2^h in (1/sqrt(2), 1] folded into the γ multipliers.
+
+Range facts: an element inside the prefix has x_i² <= Q, so |z| <= 2^(F_z + h)
+(reached by a row with one non-zero element); an element outside it is bounded
+only by the format, against the smallest W (a zero prefix): with ε = 0 that is
+x_max · 2^(F_z + h) — statistics from a prefix can blow up the rest of the row,
+and the analysis says by how much.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from qnorm.analysis import Interval, RangeReport
+from qnorm.fixedpoint import DEFAULT_ROUND, Round
+from qnorm.ops._normcore import (
+    DEFAULT_IN,
+    DEFAULT_OUT,
+    NormOp,
+    StatBounds,
+    round_rational,
+)
+from qnorm.ops._xp import row_sum, take_prefix
+from qnorm.ops.base import Trace, record
+from qnorm.ops.layernorm import RsqrtConfig, rsqrt_inverse, rsqrt_inverse_range
+from qnorm.qformat import QFormat
+
+
+@dataclass(frozen=True)
+class RMSNormConfig(RsqrtConfig):
+    """IntRMSNorm config; ``partial`` in (0, 1] selects the statistic's prefix."""
+
+    partial: float = 1.0
+
+    def __post_init__(self) -> None:
+        p = self.partial
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ValueError(f"partial must be a number in (0, 1], got {p!r}")
+        super().__post_init__()
+
+    @property
+    def prefix(self) -> int:
+        """k = ceil(p N), exactly (from the float's binary value), at least 1."""
+        return math.ceil(Fraction(self.partial) * self.n)
+
+    @property
+    def pre_shift(self) -> int:
+        return ((self.prefix - 1).bit_length() + 1) // 2  # ceil(ceil(log2 k) / 2)
+
+    def gain_factor(self) -> float:
+        return math.sqrt(self.prefix) / (1 << self.pre_shift)
+
+    def eps_units(self, eps: float) -> int:
+        # mean(x²) + ε = (Q + ε k / s_in²) s_in² / k
+        return round_rational(Fraction(eps) * self.prefix / Fraction(self.in_fmt.scale) ** 2)
+
+
+class IntRMSNorm(NormOp):
+    """Integer (partial) RMSNorm over the last axis (see the module docstring)."""
+
+    name = "int_rmsnorm"
+    config_cls = RMSNormConfig
+    inverse_name = "rsqrt"
+
+    @classmethod
+    def from_float(
+        cls,
+        gamma: Any,
+        beta: Any = None,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        partial: float = 1.0,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        inv_bits: int = 15,
+        mult_bits: int = 16,
+        rounding: Round | str = DEFAULT_ROUND,
+    ) -> IntRMSNorm:
+        """Quantize float γ (N,), β (N,) or None (RMSNorm has none), ε >= 0 (units of x²)."""
+        return cls._build(
+            gamma,
+            beta,
+            eps,
+            in_fmt,
+            out_fmt,
+            frac_bits,
+            mant_bits,
+            mult_bits,
+            rounding,
+            inv_bits=inv_bits,
+            partial=partial,
+        )
+
+    def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
+        head = take_prefix(x, self.config.prefix)
+        q = record(trace, "sum_sq", row_sum(head * head))
+        return record(trace, "stat", q + self.config.eps), x
+
+    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
+        """Inside the prefix x_i² <= Q = W − ε and x_i² <= X² (X = max |x|): a lone X
+        reaches both.  Outside it only x_i² <= X², against the smallest W (a zero
+        prefix)."""
+        cfg = self.config
+        x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
+        q = rep.add("sum_sq", x.square() * cfg.prefix)
+        w = rep.add("stat", q + cfg.eps)
+        top = x.square().hi
+        return StatBounds(w, x, Fraction(1), cfg.eps, top, top if cfg.prefix < cfg.n else None)
+
+    def _channel_z(self, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval) -> list[Interval]:
+        """Channels inside the prefix keep |z| <= 2^(F_z + h); only the rest can blow up."""
+        k, n = self.config.prefix, self.config.n
+        if k == n:
+            return [z] * n
+        inside = self._normalized_ranges(replace(stat, outside=None), segs, inv, None)
+        return [inside] * k + [z] * (n - k)
+
+    def _inverse(self, m: Any, trace: Trace | None) -> Any:
+        return rsqrt_inverse(m, self.config, trace)
+
+    def _inverse_range(self, m_iv: Interval) -> Interval:
+        return rsqrt_inverse_range(m_iv, self.config)
+
+    def float_reference(self, x: np.ndarray) -> np.ndarray:
+        """torch.nn.functional.rms_norm (float64, float γ and ε) + β; for p < 1 the
+        same formula with the mean square of the prefix."""
+        import torch
+        import torch.nn.functional as F
+
+        p, k = self.params, self.config.prefix
+        t = self.float_rows(x)
+        if k == self.config.n:
+            return (F.rms_norm(t, (k,), torch.from_numpy(p.gamma), p.eps) + torch.from_numpy(p.beta)).numpy()
+        ms = (t[..., :k] ** 2).mean(dim=-1, keepdim=True)
+        return self.float_affine(t / torch.sqrt(ms + p.eps))
+
+    def cost(self) -> dict[str, dict[str, int]]:
+        k = self.config.prefix
+        return {
+            # k squares and their sum, + ε, leading-zero count, mantissa shift, rsqrt
+            "per_row": {"add": k, "mul": k, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1},
+            # u shift, u·r, z shift, z·m, + B, y shift, saturate
+            "per_element": {"add": 1, "mul": 2, "shift": 3, "saturate": 1},
+        }

@@ -1,0 +1,301 @@
+"""Shift-based LayerNorm: 1/σ and γ rounded to powers of two (adds and shifts only).
+
+In the spirit of the shift-based BatchNorm of binarized networks.  The statistic
+is LayerNorm's (exact W = N Σx² − (Σx)² + ε_int, d = N x − S; the squares are
+narrow in×in products of the reduction).  What changes is the per-element path:
+
+* **1/sqrt(W)** — W's leading-zero count gives W = M · 4^e with M in
+  [2^(mb−1), 2^(mb+1)), i.e. M / 2^mb = X' in [1/2, 2).  ``mantissa_terms = 1``:
+  1/sqrt(W) ≈ 2^-(e + mb/2), the power of two nearest in the log domain (the
+  even-width split already rounds log2 sqrt(W) to nearest), error factor up to
+  sqrt(2).  ``mantissa_terms = 2``: 1/sqrt(X') ≈ c with c = 2^a ± 2^b chosen among
+  a few two-term values by comparing M with exact integer thresholds (the
+  log-domain midpoints between neighbouring values; FINN-style threshold
+  counting), worst-case error 9.5 % (between 5/4 and 3/2).
+* **γ** — each per-channel gain γ_c / s_out becomes ±2^l_c (log-domain nearest)
+  on one shared shift, so the multiply is a shift and a conditional negate.
+
+So per element: N·x − S (N is a constant: shifts and adds), one shift by the
+row exponent, one or two shifts and an add, a rounding shift, the channel's
+shift and sign, + β, a rounding shift, saturation.  No multiplier, no divider.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from qnorm.analysis import Interval, RangeReport
+from qnorm.fixedpoint import DEFAULT_ROUND, Round, select
+from qnorm.ops._normcore import (
+    DEFAULT_IN,
+    DEFAULT_OUT,
+    FloatParams,
+    NormConfig,
+    NormOp,
+    StatBounds,
+    centered,
+    floor_root,
+    mantissa_range,
+)
+from qnorm.ops._xp import const_like
+from qnorm.ops.base import Trace, record
+from qnorm.ops.layernorm import (
+    layer_norm_reference,
+    variance,
+    variance_eps_units,
+    variance_ranges,
+)
+from qnorm.qformat import QFormat
+
+# Fraction bits of the two-term mantissa: terms down to 2^-4 of the leading one.
+# Finer terms only refine the values next to 1 and 1/2; the worst gap (5/4 to 3/2)
+# would need a third term.
+TWO_TERM_FRAC = 4
+
+
+class Pow2Mantissa(NamedTuple):
+    """``value = 2^hi + sign · 2^lo`` (sign 0: the single term 2^hi)."""
+
+    value: int
+    hi: int
+    lo: int
+    sign: int
+
+
+@functools.cache
+def mantissa_table(terms: int) -> tuple[int, tuple[Pow2Mantissa, ...]]:
+    """(frac, candidates ordered by decreasing value) for 1/sqrt(X'), X' in [1/2, 2).
+
+    A candidate v stands for c = v / 2^frac.  It is kept only if it is the
+    log-nearest value for some X' in [1/2, 2): c_i wins on
+    [1/(c_(i−1) c_i), 1/(c_i c_(i+1))).  One term: only c = 1.
+    """
+    if terms == 1:
+        return 0, (Pow2Mantissa(1, 0, 0, 0),)
+    frac = TWO_TERM_FRAC
+    found: dict[int, Pow2Mantissa] = {}
+    for hi in range(frac + 2):
+        found.setdefault(1 << hi, Pow2Mantissa(1 << hi, hi, 0, 0))
+    for sign in (1, -1):  # prefer 2^hi + 2^lo: its partial product never exceeds the total
+        for hi in range(1, frac + 2):
+            for lo in range(hi):
+                v = (1 << hi) + sign * (1 << lo)
+                found.setdefault(v, Pow2Mantissa(v, hi, lo, sign))
+    ordered = sorted(found.values(), key=lambda c: -c.value)
+    scale = Fraction(1 << frac)
+    keep = []
+    for i, cand in enumerate(ordered):
+        c = cand.value / scale
+        left = 1 / (ordered[i - 1].value / scale * c) if i > 0 else Fraction(0)
+        right = 1 / (c * ordered[i + 1].value / scale) if i + 1 < len(ordered) else None
+        if left < 2 and (right is None or right > Fraction(1, 2)):
+            keep.append(cand)
+    return frac, tuple(keep)
+
+
+def mantissa_thresholds(terms: int, mant_bits: int) -> tuple[int, ...]:
+    """T_i: choose candidate i (not i − 1) iff M >= T_i = ceil(2^mb / (c_(i−1) c_i))."""
+    frac, cands = mantissa_table(terms)
+    num = 1 << (mant_bits + 2 * frac)
+    return tuple(-(-num // (a.value * b.value)) for a, b in itertools.pairwise(cands))
+
+
+@dataclass(frozen=True)
+class ShiftNormConfig(NormConfig):
+    """ShiftLayerNorm config: every gain is 0 or ±2^l; ``mantissa_terms`` in {1, 2}."""
+
+    mantissa_terms: int = 2
+
+    def _check_inverse(self) -> None:
+        if self.mantissa_terms not in (1, 2):
+            raise ValueError(f"mantissa_terms must be 1 or 2, got {self.mantissa_terms!r}")
+        bad = [g for g in self.gain if g and abs(g) & (abs(g) - 1)]
+        if bad:
+            raise ValueError(f"ShiftLayerNorm gains must be 0 or ±2^l, got {bad[:3]}")
+
+    @property
+    def inv_frac_bits(self) -> int:
+        return self.mant_bits // 2 + mantissa_table(self.mantissa_terms)[0]
+
+    def eps_units(self, eps: float) -> int:
+        return variance_eps_units(self, eps)
+
+
+def round_log2(v: Fraction) -> int:
+    """The integer nearest to log2(v), ties up, for v > 0: floor(log2(2 v²) / 2)."""
+    q = 2 * v * v
+    k = q.numerator.bit_length() - q.denominator.bit_length()
+    if q < Fraction(2) ** k:
+        k -= 1
+    return k // 2
+
+
+class ShiftLayerNorm(NormOp):
+    """LayerNorm with power-of-two 1/σ and γ (see the module docstring)."""
+
+    name = "shift_layernorm"
+    config_cls = ShiftNormConfig
+    inverse_name = "rsqrt_pow2"
+
+    def __init__(self, config: ShiftNormConfig, params: FloatParams) -> None:
+        super().__init__(config, params)
+        g = np.asarray(config.gain, dtype=np.int64)
+        self._sign = np.sign(g)
+        self._log2 = np.array([max(abs(int(v)).bit_length() - 1, 0) for v in g], dtype=np.int64)
+
+    @classmethod
+    def from_float(
+        cls,
+        gamma: Any,
+        beta: Any = None,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        mantissa_terms: int = 2,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        mult_bits: int = 16,
+        rounding: Round | str = DEFAULT_ROUND,
+    ) -> ShiftLayerNorm:
+        """Quantize float γ (N,), β (N,) or None, ε >= 0; gains become ±2^l with
+        l <= mult_bits − 2 on one shared shift."""
+        return cls._build(
+            gamma,
+            beta,
+            eps,
+            in_fmt,
+            out_fmt,
+            frac_bits,
+            mant_bits,
+            mult_bits,
+            rounding,
+            mantissa_terms=mantissa_terms,
+        )
+
+    @classmethod
+    def _quantize_gain(cls, gains: np.ndarray, mult_bits: int, max_shift: int) -> tuple[tuple[int, ...], int]:
+        """±2^l_c, l_c = round(log2 |g_c|) + s in [0, mult_bits − 2].
+
+        The shared shift s (at most ``max_shift``) gives the largest gain the top
+        exponent; a gain whose exponent falls below the grid (l_c < 0) is flushed
+        to 0, as a dyadic multiplier rounds to 0 below half its LSB.
+        """
+        logs = [None if g == 0 else round_log2(abs(Fraction(float(g)))) for g in gains]
+        live = [q for q in logs if q is not None]
+        if not live:
+            return (0,) * len(gains), 0
+        s = min(max_shift, mult_bits - 2 - max(live))
+        if s < 0:
+            raise ValueError(
+                f"a gain of 2^{max(live)} per z LSB does not fit a {mult_bits}-bit power-of-two multiplier"
+            )
+        signs = np.sign(gains).astype(int).tolist()
+        out = [0 if q is None or q + s < 0 else sg << (q + s) for q, sg in zip(logs, signs)]
+        return tuple(out), s
+
+    def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
+        s, d = centered(x, self.config.n, trace)
+        return variance(x, s, self.config.n, self.config.eps, trace), d
+
+    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
+        return variance_ranges(rep, self.config)
+
+    def _inverse(self, m: Any, trace: Trace | None) -> Any:
+        """Per row: count the thresholds M crosses, read off value, hi, lo, sign."""
+        _, cands = mantissa_table(self.config.mantissa_terms)
+        first, zero = cands[0], m * 0
+        value, hi, lo, sign = zero + first.value, zero + first.hi, zero + first.lo, zero + first.sign
+        thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
+        for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands)):
+            crossed = m >= t
+            value = value + select(crossed, cur.value - prev.value, 0)
+            hi = hi + select(crossed, cur.hi - prev.hi, 0)
+            lo = lo + select(crossed, cur.lo - prev.lo, 0)
+            sign = sign + select(crossed, cur.sign - prev.sign, 0)
+        return record(trace, "rsqrt_pow2", value), hi, lo, sign
+
+    def _product(self, u: Any, inv: Any, trace: Trace | None) -> Any:
+        """u · (2^hi ± 2^lo) as two shifts and one add/subtract."""
+        _, hi, lo, sign = inv
+        big = record(trace, "prod_hi", u << hi)
+        small = u << lo
+        return big + select(sign > 0, small, select(sign < 0, -small, small * 0))
+
+    def _scale(self, z: Any) -> Any:
+        """z · (±2^l_c): a shift and a conditional negate."""
+        mag = z << const_like(z, self._log2)
+        sign = const_like(z, self._sign)
+        return select(sign > 0, mag, select(sign < 0, -mag, mag * 0))
+
+    def _inverse_range(self, m_iv: Interval) -> Interval:
+        vals = [c.value for c, _ in self._segments(m_iv)]
+        return Interval(min(vals), max(vals))
+
+    def _segments(self, m_iv: Interval) -> list[tuple[Pow2Mantissa, Interval]]:
+        """Each candidate with the part of M's range on which it is chosen."""
+        _, cands = mantissa_table(self.config.mantissa_terms)
+        cuts = (m_iv.lo, *mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits), m_iv.hi + 1)
+        out = []
+        for i, cand in enumerate(cands):
+            lo, hi = max(cuts[i], m_iv.lo), min(cuts[i + 1] - 1, m_iv.hi)
+            if lo <= hi:
+                out.append((cand, Interval(lo, hi)))
+        return out
+
+    def _product_bound(
+        self,
+        stat: StatBounds,
+        segs: dict[int, Interval],
+        by_exp: dict[int, Interval],
+        inv: Interval,
+        rep: RangeReport | None,
+    ) -> int:
+        """Per exponent e and candidate, on the candidate's part of M's range:
+        |u| <= sqrt(ratio_e (M_hi + t)) + t with t = [e > 0] (X < M + 1 when M is
+        truncated, and u is rounded), capped by u's range; times the candidate's
+        value (the product) or 2^hi (the first partial product)."""
+        prod = part = 0
+        for e, u_iv in by_exp.items():
+            t, ratio, u_cap = int(e > 0), stat.ratio_on(segs[e]), max(-u_iv.lo, u_iv.hi)
+            for cand, seg in self._segments(mantissa_range(e, segs[e], self.config)):
+                u = min(u_cap, floor_root(ratio * (seg.hi + t), 2) + t)
+                prod, part = max(prod, u * cand.value), max(part, u << cand.hi)
+        if rep is not None:
+            rep.add("prod_hi", Interval(-part, part))
+        return prod
+
+    def float_reference(self, x: np.ndarray) -> np.ndarray:
+        """Plain LayerNorm (the op this approximates), float64, float γ, β, ε."""
+        return layer_norm_reference(self, x)
+
+    def cost(self) -> dict[str, dict[str, int]]:
+        n, terms = self.config.n, self.config.mantissa_terms
+        return {
+            # Σx, Σx² (narrow in×in squares), N·Q and S², V, + ε, leading-zero
+            # count, mantissa shift, threshold compares selecting the mantissa
+            "per_row": {
+                "add": 2 * (n - 1) + 2,
+                "mul": n + 2,
+                "div": 0,
+                "sqrt": 0,
+                "lzc": 1,
+                "shift": 1,
+                "compare": len(mantissa_table(terms)[1]) - 1,
+            },
+            # N·x (constant), − S, u shift, 1–2 shifts (+ add), z shift, γ shift and
+            # negate, + B, y shift, saturate
+            "per_element": {
+                "const_mul": 1,
+                "add": 2 + (terms - 1) + 1,
+                "mul": 0,
+                "shift": 3 + terms + 1,
+                "saturate": 1,
+            },
+        }
