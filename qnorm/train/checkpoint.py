@@ -1,0 +1,177 @@
+"""Pickle-free checkpoints: safetensors weights plus a JSON sidecar.
+
+A checkpoint is a directory holding
+  weights.safetensors   every state_dict tensor (parameters and buffers)
+  meta.json             {"format", "version", "model", "metadata", "modules",
+                         "weights": {"bytes", "sha256"}}
+"model" is `model_spec(model)` (kind + config, enough to rebuild it), "metadata" is
+the caller's dict (hyperparameters, results...), and "modules" maps the qualified
+name of every module that has a `qnorm_metadata()` method to what it returns (""
+is the root module); this is how quantized layers publish scales, bit widths or
+folded thresholds without the checkpoint code knowing them.
+
+Loading never unpickles anything and fails with a ValueError that names the problem:
+missing file, size or checksum mismatch (truncated / corrupt weights), unparsable
+JSON, safetensors that do not parse, or tensors whose names, shapes or dtypes do not
+match the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from qnorm.train.models import build_model, model_spec
+
+WEIGHTS = "weights.safetensors"
+META = "meta.json"
+FORMAT = "qnorm.checkpoint"
+VERSION = 1
+# How many offending names a mismatch error lists before summarizing.
+_SHOWN = 8
+
+
+def collect_module_metadata(model: nn.Module) -> dict[str, Any]:
+    """{qualified name: module.qnorm_metadata()} for every module that has the hook."""
+    found: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        hook = getattr(module, "qnorm_metadata", None)
+        if callable(hook):
+            found[name] = hook()
+    return found
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_checkpoint(
+    model: nn.Module, directory: str | Path, metadata: dict[str, Any] | None = None
+) -> Path:
+    """Write `model`'s state_dict and metadata into `directory` (created if needed)."""
+    directory = Path(directory)
+    modules = collect_module_metadata(model)
+    header = {"format": FORMAT, "version": VERSION, "model": model_spec(model),
+              "metadata": metadata or {}, "modules": modules}
+    # Serialize before touching the disk, so a non-JSON value leaves no half checkpoint.
+    try:
+        json.dumps(header, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        bad = [name for name, value in modules.items() if not _is_json(value)]
+        where = f"qnorm_metadata() of module(s) {bad}" if bad else "the metadata argument"
+        raise ValueError(f"checkpoint metadata is not JSON-serializable ({where}): {err}") from err
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = directory / WEIGHTS
+    # Parameters can share storage (views, tied weights); safetensors refuses shared
+    # storage, so every tensor gets its own contiguous copy.
+    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()},
+              str(weights))
+    header["weights"] = {"bytes": weights.stat().st_size, "sha256": _sha256(weights)}
+    (directory / META).write_text(json.dumps(header, indent=2, allow_nan=False) + "\n")
+    return directory
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    """Parse and validate `meta.json` of a checkpoint directory."""
+    path = Path(directory) / META
+    if not path.is_file():
+        raise ValueError(f"checkpoint {directory}: missing metadata file {path}")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint {directory}: {path} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {directory}: {path} is not a {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"checkpoint {directory}: unsupported version {meta.get('version')!r}, "
+                         f"this code reads version {VERSION}")
+    for key, kind in (("model", dict), ("metadata", dict), ("modules", dict), ("weights", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise ValueError(f"checkpoint {directory}: {path} lacks a valid {key!r} entry")
+    return meta
+
+
+def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.Tensor]:
+    path = directory / WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"checkpoint {directory}: missing weights file {path}")
+    size = path.stat().st_size
+    if size != recorded.get("bytes"):
+        raise ValueError(f"checkpoint {directory}: weights file {path} is truncated or padded: "
+                         f"{size} bytes, meta.json records {recorded.get('bytes')}")
+    if _sha256(path) != recorded.get("sha256"):
+        raise ValueError(f"checkpoint {directory}: weights file {path} is corrupt: "
+                         "its sha256 does not match meta.json")
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:
+        raise ValueError(f"checkpoint {directory}: {path} is not a valid safetensors file: "
+                         f"{err}") from err
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
+
+
+def _check_match(directory: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    problems = []
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    mismatched = [
+        f"{k} {tuple(tensors[k].shape)}/{tensors[k].dtype} vs model {tuple(v.shape)}/{v.dtype}"
+        for k, v in expected.items()
+        if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)
+    ]
+    if mismatched:
+        problems.append(f"shape/dtype mismatch: {_listing(mismatched)}")
+    if problems:
+        raise ValueError(f"checkpoint {directory} does not match {type(model).__name__}: "
+                         + "; ".join(problems))
+
+
+def load_checkpoint(
+    directory: str | Path, model: nn.Module | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Load a checkpoint into `model` (or into a model rebuilt from meta.json).
+
+    Returns the model, in eval mode, and the parsed meta.json.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint directory {directory} does not exist")
+    meta = read_metadata(directory)
+    tensors = _read_weights(directory, meta["weights"])
+    if model is None:
+        spec = meta["model"]
+        try:
+            model = build_model(spec["kind"], **spec["config"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
+    _check_match(directory, model, tensors)
+    model.load_state_dict(tensors, strict=True)
+    return model.eval(), meta

@@ -1,0 +1,361 @@
+"""Small digit classifiers that the qnorm norm layers and spiking neurons plug into.
+
+Two models, both with int8 weights (Brevitas per-tensor float scale) and int8
+activation fake-quantization where a linear or conv consumes a non-integer tensor:
+
+* `DigitsTransformer`: row tokens -> 2 pre-norm encoder blocks -> mean-pool -> head.
+  Every norm layer comes from `norm_factory(kind, dim)`.
+* `DigitsSNN`: direct-encoded convolutional spiking network. Every spiking neuron
+  comes from `neuron_factory(kind, channels)`.
+
+Extension: `register_norm(kind, ctor)` / `register_neuron(kind, ctor)`. A norm ctor
+takes the feature size and returns a module mapping (..., dim) -> (..., dim); a neuron
+ctor takes the channel count and returns a multi-step module mapping spike-input
+currents of shape (T, B, C, *spatial) to spikes of the same shape. When a kind is
+not registered yet, `qnorm.nn` is imported once, so layers that register themselves
+there are found without an explicit import (this is what lets a checkpoint of an
+"int_ln" model be rebuilt by name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import brevitas.nn as qnn
+import torch
+import torch.nn.functional as F
+from brevitas.quant import Int8ActPerTensorFloatMinMaxInit, Int8WeightPerTensorFloat
+from torch import nn
+
+ModuleCtor = Callable[[int], nn.Module]
+
+
+class _Registry:
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._ctors: dict[str, ModuleCtor] = {}
+
+    def register(self, kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
+        # Re-registering the very same ctor is allowed so that re-importing a plugin
+        # module is harmless; silently swapping a different ctor in is not.
+        known = self._ctors.get(kind)
+        if known is not None and known is not ctor and not replace:
+            raise ValueError(f"{self._what} kind {kind!r} is already registered to {known!r}")
+        self._ctors[kind] = ctor
+
+    def create(self, kind: str, size: int) -> nn.Module:
+        if kind not in self._ctors:
+            _import_plugins()
+        ctor = self._ctors.get(kind)
+        if ctor is None:
+            raise ValueError(
+                f"unknown {self._what} kind {kind!r}; registered: {', '.join(self.kinds())}"
+            )
+        return ctor(size)
+
+    def kinds(self) -> list[str]:
+        return sorted(self._ctors)
+
+
+def _import_plugins() -> None:
+    try:
+        importlib.import_module("qnorm.nn")
+    except ModuleNotFoundError as err:
+        # Only the absence of qnorm.nn itself is expected; a broken import inside it
+        # must surface.
+        if err.name != "qnorm.nn":
+            raise
+
+
+_NORMS = _Registry("norm")
+_NEURONS = _Registry("neuron")
+
+
+def register_norm(kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
+    """Make `norm_factory(kind, dim)` return `ctor(dim)`."""
+    _NORMS.register(kind, ctor, replace=replace)
+
+
+def norm_factory(kind: str, dim: int) -> nn.Module:
+    """Create a norm layer over the last dimension of size `dim`."""
+    return _NORMS.create(kind, dim)
+
+
+def norm_kinds() -> list[str]:
+    return _NORMS.kinds()
+
+
+def register_neuron(kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
+    """Make `neuron_factory(kind, channels)` return `ctor(channels)`."""
+    _NEURONS.register(kind, ctor, replace=replace)
+
+
+def neuron_factory(kind: str, channels: int) -> nn.Module:
+    """Create a multi-step spiking neuron layer with `channels` channels (dim 2)."""
+    return _NEURONS.create(kind, channels)
+
+
+def neuron_kinds() -> list[str]:
+    return _NEURONS.kinds()
+
+
+register_norm("float", nn.LayerNorm)
+register_norm("float_rms", nn.RMSNorm)
+
+
+class _ATanSpike(torch.autograd.Function):
+    """Heaviside step forward (fires at z >= 0); arctan surrogate backward.
+
+    d spike / dz ~= alpha / 2 / (1 + (pi/2 * alpha * z)^2), the derivative of
+    atan(pi/2 * alpha * z) / pi + 1/2 (SpikingJelly's `ATan`, alpha = 2 there too).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z: torch.Tensor, alpha: float) -> torch.Tensor:
+        ctx.save_for_backward(z)
+        ctx.alpha = alpha
+        return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (z,) = ctx.saved_tensors
+        alpha = ctx.alpha
+        return grad * (alpha / 2) / (1 + (math.pi / 2 * alpha * z) ** 2), None
+
+
+class MPBNLIF(nn.Module):
+    """Multi-step LIF neuron with membrane-potential BatchNorm before the threshold.
+
+    For t = 1..T, per channel (BN statistics over batch and spatial positions):
+        h_t = decay * u_{t-1} + x_t        charge (u_0 = 0; decay 0.5 is a shift)
+        s_t = [BN(h_t) >= v_threshold]     fire; BN sees the membrane, not the input
+        u_t = h_t * (1 - s_t)              hard reset to 0
+    BN only enters the firing decision and the reset acts on the un-normalized
+    membrane, so at inference BN folds into a per-channel threshold on h_t (the
+    integer MPBN neuron in qnorm relies on exactly this). One BN module is shared
+    by all steps; in training each step normalizes with its own batch statistics
+    and updates the running statistics once. The reset is not detached, so the
+    gradient also flows through it. Surrogate: arctan (`_ATanSpike`).
+    """
+
+    def __init__(
+        self, channels: int, decay: float = 0.5, v_threshold: float = 1.0, alpha: float = 2.0
+    ) -> None:
+        super().__init__()
+        self.channels = channels
+        self.decay = decay
+        self.v_threshold = v_threshold
+        self.alpha = alpha
+        # BatchNorm1d over (B, C, L) covers conv (B, C, H, W) and linear (B, C) inputs
+        # alike, and it is an ordinary _BatchNorm so SyncBatchNorm conversion sees it.
+        self.bn = nn.BatchNorm1d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.zeros_like(x[0])
+        spikes = []
+        for x_t in x:
+            h = self.decay * u + x_t
+            m = self.bn(h.reshape(h.shape[0], h.shape[1], -1)).view_as(h)
+            s = _ATanSpike.apply(m - self.v_threshold, self.alpha)
+            u = h * (1 - s)
+            spikes.append(s)
+        return torch.stack(spikes)
+
+    def qnorm_metadata(self) -> dict[str, Any]:
+        return {
+            "neuron": "float_mpbn_lif",
+            "decay": self.decay,
+            "v_threshold": self.v_threshold,
+            "fire": "bn(h) >= v_threshold",
+            "reset": "hard_to_zero",
+            "surrogate": "atan",
+            "surrogate_alpha": self.alpha,
+        }
+
+
+register_neuron("float_mpbn_lif", MPBNLIF)
+
+
+def _act_quant(act_range: float) -> qnn.QuantIdentity:
+    # Learned per-tensor scale initialized from a fixed range instead of Brevitas'
+    # default runtime-statistics init: the latter keeps rank-local statistics
+    # buffers for its first 300 steps, which would make DDP replicas diverge.
+    return qnn.QuantIdentity(
+        act_quant=Int8ActPerTensorFloatMinMaxInit,
+        min_val=-act_range,
+        max_val=act_range,
+        return_quant_tensor=False,
+    )
+
+
+def _linear(in_features: int, out_features: int) -> qnn.QuantLinear:
+    return qnn.QuantLinear(
+        in_features, out_features, bias=True, weight_quant=Int8WeightPerTensorFloat,
+        return_quant_tensor=False,
+    )
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    norm: str = "float"
+    tokens: int = 8
+    token_features: int = 8
+    dim: int = 32
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: int = 2
+    classes: int = 10
+    act_range: float = 4.0
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.heads:
+            raise ValueError(f"dim {cfg.dim} is not divisible by heads {cfg.heads}")
+        self.heads = cfg.heads
+        self.qkv = _linear(cfg.dim, 3 * cfg.dim)
+        self.context_quant = _act_quant(cfg.act_range)
+        self.proj = _linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # Softmax attention stays float: it is not one of the ops qnorm makes integer.
+        context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        return self.proj(self.context_quant(context))
+
+
+class _EncoderBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.dim
+        self.norm1 = norm_factory(cfg.norm, cfg.dim)
+        self.attn_quant = _act_quant(cfg.act_range)
+        self.attn = _SelfAttention(cfg)
+        self.norm2 = norm_factory(cfg.norm, cfg.dim)
+        self.mlp_quant = _act_quant(cfg.act_range)
+        self.fc1 = _linear(cfg.dim, hidden)
+        self.hidden_quant = _act_quant(cfg.act_range)
+        self.fc2 = _linear(hidden, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_quant(self.norm1(x)))
+        hidden = self.hidden_quant(F.gelu(self.fc1(self.mlp_quant(self.norm2(x)))))
+        return x + self.fc2(hidden)
+
+
+class DigitsTransformer(nn.Module):
+    """Pre-norm transformer over 8 row tokens of 8 pixels.
+
+    The residual stream stays unquantized; activations are int8 fake-quantized right
+    before every QuantLinear (model input, each norm output, attention context, MLP
+    hidden, pooled features), so each linear is an int8 x int8 product.
+    """
+
+    kind = "transformer"
+    input_layout = "tokens"
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_quant = _act_quant(config.act_range)
+        self.embed = _linear(config.token_features, config.dim)
+        self.pos = nn.Parameter(torch.zeros(1, config.tokens, config.dim))
+        nn.init.trunc_normal_(self.pos, std=0.02)
+        self.blocks = nn.ModuleList(_EncoderBlock(config) for _ in range(config.depth))
+        self.norm = norm_factory(config.norm, config.dim)
+        self.head_quant = _act_quant(config.act_range)
+        self.head = _linear(config.dim, config.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(self.input_quant(x)) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.head_quant(self.norm(h).mean(dim=1)))
+
+
+@dataclass(frozen=True)
+class SNNConfig:
+    neuron: str = "float_mpbn_lif"
+    time_steps: int = 4
+    channels: tuple[int, ...] = (16, 32)
+    image_side: int = 8
+    classes: int = 10
+    act_range: float = 4.0
+
+
+class DigitsSNN(nn.Module):
+    """Convolutional SNN: [3x3 conv (no bias) -> spiking neuron] per stage -> readout.
+
+    Direct encoding: the analog image is the input current of the first stage at
+    every one of the T steps. Later convs see binary spikes, so they need no
+    activation quantizer. The readout is a linear layer on 2x2-average-pooled spike
+    rates (spike counts / 4T: an integer grid, again no quantizer needed).
+    """
+
+    kind = "snn"
+    input_layout = "image"
+
+    def __init__(self, config: SNNConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_quant = _act_quant(config.act_range)
+        self.convs = nn.ModuleList()
+        self.neurons = nn.ModuleList()
+        in_channels = 1
+        for channels in config.channels:
+            self.convs.append(
+                qnn.QuantConv2d(
+                    in_channels, channels, 3, padding=1, bias=False,
+                    weight_quant=Int8WeightPerTensorFloat, return_quant_tensor=False,
+                )
+            )
+            self.neurons.append(neuron_factory(config.neuron, channels))
+            in_channels = channels
+        self.pool = nn.AvgPool2d(2)
+        pooled = config.image_side // 2
+        self.readout = _linear(in_channels * pooled * pooled, config.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps, batch = self.config.time_steps, x.shape[0]
+        # The input is the same at every step, so the first conv runs once.
+        current = self.convs[0](self.input_quant(x))
+        spikes = self.neurons[0](current.unsqueeze(0).expand(steps, *current.shape))
+        for conv, neuron in zip(self.convs[1:], self.neurons[1:]):
+            # Convs are stateless: run all T steps as one batch of T*B images.
+            spikes = neuron(conv(spikes.flatten(0, 1)).unflatten(0, (steps, batch)))
+        return self.readout(self.pool(spikes.mean(dim=0)).flatten(1))
+
+
+_MODELS: dict[str, tuple[type[nn.Module], type]] = {
+    DigitsTransformer.kind: (DigitsTransformer, TransformerConfig),
+    DigitsSNN.kind: (DigitsSNN, SNNConfig),
+}
+
+
+def build_model(kind: str, **config: Any) -> nn.Module:
+    """Build "transformer" or "snn" from config fields (see the *Config dataclasses)."""
+    if kind not in _MODELS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(_MODELS)}")
+    model_cls, config_cls = _MODELS[kind]
+    names = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(config) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown {kind} config fields {unknown}; expected a subset of {sorted(names)}"
+        )
+    # JSON has no tuples: accept lists so a config read back from a checkpoint works.
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    return model_cls(config_cls(**values))
+
+
+def model_spec(model: nn.Module) -> dict[str, Any]:
+    """JSON-ready {"kind", "config"} from which `build_model` rebuilds `model`."""
+    if not isinstance(model, tuple(cls for cls, _ in _MODELS.values())):
+        raise TypeError(f"{type(model).__name__} is not a qnorm.train model")
+    return {"kind": model.kind, "config": asdict(model.config)}
