@@ -79,25 +79,29 @@ def shift_mantissa(m: int, mant_bits: int, terms: int) -> int:
 
 
 def slow_statistic(op, row: list[int]) -> tuple[int, list[int]]:
+    """(S, numerators): the raw statistic, before ε."""
     cfg = op.config
     n = cfg.n
     if isinstance(op, IntRMSNorm):
         head = row[: cfg.prefix]
-        return sum(v * v for v in head) + cfg.eps, list(row)
+        return sum(v * v for v in head), list(row)
     s = sum(row)
     d = [n * v - s for v in row]
     if isinstance(op, L1LayerNorm):
-        return sum(abs(v) for v in d) + cfg.eps, d
-    return n * sum(v * v for v in row) - s * s + cfg.eps, d
+        return sum(abs(v) for v in d), d
+    return n * sum(v * v for v in row) - s * s, d
 
 
 def slow_row(op, row: list[int]) -> tuple[int, list[int], list[int]]:
-    """(r, z, out) of one row: the per-row inverse, the normalized values, the outputs."""
+    """(r, z, out) of one row: the per-row inverse, the normalized values, the outputs.
+
+    ε has g = eps_shift guard bits (per power p of the statistic): W = S 2^(p g) + ε_int,
+    and the numerator is scaled by 2^(h + g) (h = pre_shift) before dividing by W^(1/p)."""
     cfg = op.config
     mode = cfg.rounding
-    w, num = slow_statistic(op, row)
-    w = max(w, 1)
     p = 1 if isinstance(op, L1LayerNorm) else 2
+    stat, num = slow_statistic(op, row)
+    w = max(stat * 2 ** (p * cfg.eps_shift) + cfg.eps, 1)
     e = (w.bit_length() - cfg.mant_bits) // p
     m = w >> (p * e) if e > 0 else w << (-p * e)
     f = cfg.inv_frac_bits
@@ -107,7 +111,7 @@ def slow_row(op, row: list[int]) -> tuple[int, list[int], list[int]]:
         r = shift_mantissa(m, cfg.mant_bits, cfg.mantissa_terms)
     else:
         r = exact_rsqrt(m, f, mode)
-    t = e - cfg.pre_shift
+    t = e - cfg.pre_shift - cfg.eps_shift
     zs, out = [], []
     for v, g, b in zip(num, cfg.gain, cfg.bias):
         u = exact_round(Fraction(v, 1 << t), mode) if t > 0 else v << -t

@@ -65,16 +65,146 @@ def test_config_is_frozen_and_from_float_deterministic(cls):
         a.config.shift = 3
 
 
+EPS_BITS = 16  # the promised resolution: ε_int >= 2^16 unless the statistic's width forbids it
+
+
+def exact_eps(op, eps: float) -> Fraction:
+    """ε in units of the op's raw statistic S (V, A or Q), from the float definitions."""
+    cfg = op.config
+    s_in = Fraction(cfg.in_fmt.scale)
+    if isinstance(op, IntRMSNorm):  # mean(x²) + ε = (Q + ε k / s_in²) s_in² / k
+        return Fraction(eps) * cfg.prefix / s_in**2
+    if isinstance(op, L1LayerNorm):  # c MAD + ε = c (A + ε N² / (c s_in)) s_in / N²
+        return Fraction(eps) * cfg.n**2 * Fraction(math.sqrt(2 / math.pi)) / s_in
+    return Fraction(eps) * cfg.n**2 / s_in**2  # σ² + ε = (V + ε N² / s_in²) s_in² / N²
+
+
 def test_eps_in_integer_units_of_each_statistic():
+    """ε_int = round(ε_S 2^(p g)): ε in units of 2^(-p g) of S (p = 2 for V and Q, 1 for A)."""
     n, s_in = 64, 0.05
     fmt = QFormat(8, s_in)
     ones = np.ones(n)
-    # LayerNorm/Shift: V = N² σ² / s_in²; RMS: Q = k ms / s_in²; L1: A = N² MAD / s_in, ε on c·MAD
-    assert IntLayerNorm.from_float(ones, eps=1e-5, in_fmt=fmt).config.eps == round(1e-5 * n * n / s_in**2)
-    assert ShiftLayerNorm.from_float(ones, eps=1e-5, in_fmt=fmt).config.eps == round(1e-5 * n * n / s_in**2)
-    assert IntRMSNorm.from_float(ones, eps=1e-3, in_fmt=fmt, partial=0.25).config.eps == round(1e-3 * 16 / s_in**2)
-    l1 = L1LayerNorm.from_float(ones, eps=1e-3, in_fmt=fmt).config.eps
-    assert l1 == math.floor(Fraction(1e-3) * n * n * Fraction(math.sqrt(2 / math.pi)) / Fraction(s_in) + Fraction(1, 2))
+    for op, eps, p in (
+        (IntLayerNorm.from_float(ones, eps=1e-5, in_fmt=fmt), 1e-5, 2),
+        (ShiftLayerNorm.from_float(ones, eps=1e-5, in_fmt=fmt), 1e-5, 2),
+        (IntRMSNorm.from_float(ones, eps=1e-3, in_fmt=fmt, partial=0.25), 1e-3, 2),
+        (L1LayerNorm.from_float(ones, eps=1e-3, in_fmt=fmt), 1e-3, 1),
+    ):
+        cfg = op.config
+        assert cfg.p == p
+        assert cfg.eps == math.floor(exact_eps(op, eps) * 2 ** (p * cfg.eps_shift) + Fraction(1, 2))
+    # LayerNorm: ε_V = 1e-5 · 64² / 0.05² = 16.384 -> 4^6 · 16.384 = 67108.9 >= 2^16
+    cfg = IntLayerNorm.from_float(ones, eps=1e-5, in_fmt=fmt).config
+    assert (cfg.eps_shift, cfg.eps) == (6, 67109)
+
+
+RESOLUTION_CASES = [  # (op, N, input bits, s_in, ε, kw)
+    (IntLayerNorm, 64, 8, 0.03, 1e-5, {}),
+    (IntLayerNorm, 4096, 8, 0.03, 1e-5, {}),  # ε_V already >= 2^16: g = 0
+    (IntLayerNorm, 4096, 16, 1.0, 1e-5, {}),  # V needs 55 bits: the 63-bit check caps g
+    (IntLayerNorm, 64, 8, 0.03, 0.0, {}),
+    (IntLayerNorm, 64, 8, 0.03, 1e3, {}),
+    (L1LayerNorm, 64, 8, 0.03, 1e-5, {}),
+    (L1LayerNorm, 4096, 16, 30.0, 1e-6, {}),
+    (L1LayerNorm, 8, 8, 0.05, 4e-4, {"mant_bits": 8}),
+    (ShiftLayerNorm, 768, 8, 0.03, 1e-5, {"mantissa_terms": 1}),
+    (ShiftLayerNorm, 4, 12, 0.02, 1e-5, {}),
+    (IntRMSNorm, 64, 8, 0.03, 1e-5, {}),
+    (IntRMSNorm, 64, 4, 0.3, 1e-6, {}),
+    (IntRMSNorm, 768, 8, 0.03, 1e-5, {"partial": 0.25}),
+    (IntRMSNorm, 4096, 16, 31.0, 1e-6, {"partial": 0.3}),  # ε_Q ~ 1e-6: capped
+    (IntRMSNorm, 7, 16, 2.0**-14, 1.0, {}),  # ε_Q huge: g = 0
+]
+
+
+@pytest.mark.parametrize("cls,n,bits,s_in,eps,kw", RESOLUTION_CASES)
+def test_eps_resolution(cls, n, bits, s_in, eps, kw):
+    """ε's promised resolution: ε_int = round(ε_S 2^(p g)) >= 2^16, so ε_int / 2^(p g)
+    is within 2^-17 relative of the exact ε_S — unless one more guard bit would make
+    the config refused by the range analysis; and g is no larger than needed."""
+    op = build(cls, n, eps=eps, in_fmt=QFormat(bits, s_in), **kw)
+    cfg, e_s = op.config, exact_eps(op, eps)
+    pg = cfg.p * cfg.eps_shift
+    assert cfg.eps == math.floor(e_s * 2**pg + Fraction(1, 2))
+    if eps == 0:
+        assert (cfg.eps_shift, cfg.eps) == (0, 0)
+        return
+    assert cfg.eps_shift == 0 or e_s * 2 ** (pg - cfg.p) < 2**EPS_BITS  # minimal
+    if cfg.eps >= 2**EPS_BITS:
+        assert abs(Fraction(cfg.eps, 2**pg) - e_s) <= e_s * Fraction(1, 2 ** (EPS_BITS + 1))
+    else:  # capped: one more guard bit does not fit
+        g = cfg.eps_shift + 1
+        more = dataclasses.replace(cfg, eps_shift=g, eps=math.floor(e_s * 2 ** (cfg.p * g) + Fraction(1, 2)))
+        with pytest.raises(OverflowRiskError):
+            cls(more, op.params)
+
+
+def eps_dominated_rows(rng: np.random.Generator, n: int, fmt: QFormat) -> np.ndarray:
+    """Near-constant rows: an offset (small for half of them, so the row is ~0) plus
+    noise of one LSB — σ² is a few LSB², comparable to ε."""
+    count = 4000
+    off = np.concatenate([rng.integers(-3, 4, (count // 2, 1)), rng.integers(fmt.lo, fmt.hi + 1, (count // 2, 1))])
+    noise = rng.choice([-1, 0, 0, 0, 0, 1], (count, n))
+    return np.clip(off + noise, fmt.lo, fmt.hi).astype(np.int64)
+
+
+EPS_DOMINATED = [  # (kind, N, s_in, ε): ε_S off its integer grid
+    ("ln", 8, 0.0135, 1e-5),  # ε_V = 3.51 (was 4: 2.0 LSB)
+    ("ln", 64, 0.0304, 1e-5),  # ε_V = 44.3
+    ("l1", 8, 0.05, 4e-4),  # ε_A = 0.41 (was 0: 3.1 LSB)
+    ("rms", 16, 0.05, 1e-5),  # ε_Q = 0.064 (was 0: 1.3 LSB)
+    ("rms", 64, 0.0304, 1e-5),  # ε_Q = 0.69 (was 1)
+    ("prms", 64, 0.0304, 1e-5),  # ε_Q = 0.17 (was 0: 1.9 LSB)
+]
+
+
+@pytest.mark.parametrize("kind,n,s_in,eps", EPS_DOMINATED)
+def test_error_where_eps_dominates(kind, n, s_in, eps):
+    """Rows whose variance is comparable to ε: the exact ops stay within the half LSB
+    of the output rounding plus their internal rounding (< 0.02 LSB), as on
+    Gaussian rows — ε itself is off by <= 2^-17 relative."""
+    rng = np.random.default_rng([n, int(s_in * 1e4)])
+    gamma, beta = 1.0 + 0.1 * rng.normal(size=n), 0.1 * rng.normal(size=n)
+    fmt = QFormat(8, s_in)
+    op = error_op(kind, gamma, beta, fmt, OUT, eps)
+    x = eps_dominated_rows(rng, n, fmt)
+    stats = error_in_lsb(op(x), OUT, op.float_reference(fmt.dequantize(x)))
+    assert stats.max_lsb <= 0.52, stats
+
+
+def shift_choice(op, w: Fraction) -> tuple[int, int]:
+    """(exponent, mantissa candidate) ShiftLayerNorm's rule gives the real W: e from
+    W's binary exponent, M = floor(W / 4^e) (M >= T_i  <=>  W / 4^e >= T_i for the
+    integer thresholds), the candidate from the op's own threshold selection."""
+    mb = op.config.mant_bits
+    k = math.floor(math.log2(w))  # refined exactly below
+    while Fraction(2) ** k > w:
+        k -= 1
+    while Fraction(2) ** (k + 1) <= w:
+        k += 1
+    e = (k + 1 - mb) // 2
+    m = math.floor(w / Fraction(4) ** e)
+    value = op._inverse(np.array([[m]], dtype=np.int64), None)[0]
+    return e, int(np.asarray(value).reshape(-1)[0])
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_shift_norm_picks_its_power_of_two_for_exact_eps(terms):
+    """ShiftLayerNorm approximates 1/sqrt(V + ε_V) by 2^-(e + mb/2) · c: the split and
+    the candidate must be those of the exact real V + ε_V (times 4^g), not of an ε
+    rounded to an integer (ε_V = 0.45 here, which rounds to 0)."""
+    n, fmt = 4, QFormat(8, 0.0189)
+    rng = np.random.default_rng(terms)
+    op = ShiftLayerNorm.from_float(np.ones(n), None, 1e-5, fmt, OUT, mantissa_terms=terms)
+    x = eps_dominated_rows(rng, n, fmt)
+    trace = {}
+    op(x, trace)
+    e_s, g = exact_eps(op, 1e-5), op.config.eps_shift
+    assert 0 < e_s < Fraction(1, 2)
+    got = list(zip(trace["exp"].reshape(-1).tolist(), np.broadcast_to(trace["rsqrt_pow2"], (len(x), 1))[:, 0].tolist()))
+    s, q = x.sum(axis=1).tolist(), (x * x).sum(axis=1).tolist()
+    want = [shift_choice(op, (n * qi - si * si + e_s) * 4**g) for si, qi in zip(s, q)]
+    assert got == want
 
 
 def test_gamma_constants_are_folded_into_the_multipliers():
@@ -400,7 +530,7 @@ ERROR_BOUNDS = {  # max LSB, mean LSB, minimum share within 1 LSB
 }
 
 
-def error_op(kind, gamma, beta, in_fmt, out_fmt):
+def error_op(kind, gamma, beta, in_fmt, out_fmt, eps=1e-5):
     cls, kw = {
         "ln": (IntLayerNorm, {}),
         "l1": (L1LayerNorm, {}),
@@ -409,7 +539,7 @@ def error_op(kind, gamma, beta, in_fmt, out_fmt):
         "shift1": (ShiftLayerNorm, {"mantissa_terms": 1}),
         "shift2": (ShiftLayerNorm, {"mantissa_terms": 2}),
     }[kind]
-    return cls.from_float(gamma, beta, 1e-5, in_fmt, out_fmt, **kw)
+    return cls.from_float(gamma, beta, eps, in_fmt, out_fmt, **kw)
 
 
 @pytest.mark.parametrize("kind", list(ERROR_BOUNDS))

@@ -3,10 +3,24 @@
 Every norm here turns a row of N integers (the last axis) into outputs in four
 stages; only stage 1 and the per-row inverse in stage 2 differ between them.
 
-1. **Statistic.**  A non-negative integer ``W`` per row (N² × variance, N² × mean
-   absolute deviation, or the sum of squares — each exact, no 1/N anywhere) with ε
-   converted once into the same integer units, and a per-element numerator (the
-   exactly centered ``d = N·x − Σx``, or ``x`` itself).
+1. **Statistic.**  A non-negative integer ``S`` per row (N² × variance, N² × mean
+   absolute deviation, or the sum of squares — each exact, no 1/N anywhere) and a
+   per-element numerator (the exactly centered ``d = N·x − Σx``, or ``x`` itself).
+   ε is added here, with fractional resolution (one mechanism for every op,
+   :func:`add_eps`): in units of S it is a rational ``ε_S`` (``eps_exact``; e.g.
+   ε k / s_in² for RMSNorm, 0.7 for int8 rows of 64 at s_in = 0.03), and rounding
+   it to an integer would put ε on a coarse grid.  So S is scaled by ``2^(p·g)``
+   first::
+
+       W = S · 2^(p·g) + ε_int,   ε_int = round(ε_S · 2^(p·g))
+
+   ``g`` (``eps_shift``, chosen per config by :func:`eps_guard_bits`) is the
+   smallest with ``ε_int >= 2^EPS_RESOLUTION_BITS`` (ε's relative error then
+   <= 2^-17), lowered while the range analysis would refuse it, and 0 when ε = 0
+   or ε_S is already that large.  The numerator's pre-scale grows by g to
+   compensate (stage 3), so z is unchanged except for the finer ε.  The extra
+   low bits of W cost nothing after stage 2 (the mantissa split keeps a fixed
+   width); only W itself is p·g bits wider.
 2. **Floating-point split of W.**  ``W ≈ M · 2^(p·e)`` with a leading-zero count
    (``fixedpoint.bit_length``) and a barrel shift, so the mantissa ``M`` always has
    ``mant_bits`` (or, for a square root, ``mant_bits + 1``) bits.  The one per-row
@@ -14,10 +28,11 @@ stages; only stage 1 and the per-row inverse in stage 2 differ between them.
    fixed-width input and yields a narrow ``r ≈ 2^F_r / M^(1/p)`` whatever N and
    the input width are.  When ``e > 0`` the dropped low bits of W are truncated,
    a relative error below ``2^(1 - mant_bits)``.
-3. **Normalize.**  ``u = num · 2^(h − e)`` (the numerator brought to the mantissa's
-   scale; ``h`` is an op's power-of-two pre-scale), ``prod = u · r`` and
+3. **Normalize.**  ``u = num · 2^(H − e)`` with ``H = h + g`` (``num_shift``: the
+   numerator brought to the mantissa's scale; ``h`` is an op's power-of-two
+   pre-scale, g the ε guard of stage 1), ``prod = u · r`` and
    ``z = round(prod / 2^(F_r − F_z))``: the normalized value in Q.F_z, i.e.
-   ``z ≈ 2^(F_z + h) · num / W^(1/p)``.
+   ``z ≈ 2^(F_z + H) · num / W^(1/p) = 2^(F_z + h) · num / (S + ε_S)^(1/p)``.
 4. **Affine output.**  ``acc = z · m_c + B_c``, ``y = round(acc / 2^s)``, saturate.
    ``m_c / 2^s`` folds γ_c, the op's constant factor and 1/s_out; ``B_c`` is β_c in
    units of ``2^-s`` output LSB, so β is added at full accumulator precision and
@@ -25,9 +40,10 @@ stages; only stage 1 and the per-row inverse in stage 2 differ between them.
 
 The range analysis mirrors the stages: exact intervals where they are tight, and
 for the normalized value a proven relational bound: every op shows
-``|num|^p <= kappa · (W − ε)`` for the elements its statistic sums (LayerNorm:
-d² <= (N−1) V; L1: |d| <= A/2; RMS: x² <= Q), which bounds u, u · r and z per
-exponent of W (:class:`StatBounds`).
+``|num|^p <= kappa · S`` for the elements its statistic sums (LayerNorm:
+d² <= (N−1) V; L1: |d| <= A/2; RMS: x² <= Q), i.e. ``|num|^p <= kappa 2^(-p g)
+(W − ε_int)`` in units of W, which bounds u, u · r and z per exponent of W
+(:class:`StatBounds`).
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from qnorm import fixedpoint as fp
-from qnorm.analysis import Interval, RangeReport
+from qnorm.analysis import Interval, OverflowRiskError, RangeReport
 from qnorm.fixedpoint import (
     DEFAULT_ROUND,
     Round,
@@ -60,6 +76,10 @@ DEFAULT_OUT = QFormat.power_of_two(8, -5)  # int8 covering [-4, 4): normalized v
 # Default F_z puts the rounding of z this many bits below the output LSB of the
 # channel with the largest gain, so z's rounding adds <= 2^-7 LSB.
 GUARD_BITS = 6
+# ε is added to the statistic with at least this many bits of its own (stage 1):
+# ε_int >= 2^16, a relative error of ε <= 2^-17, below the 2^-16 of the rsqrt
+# (inv_bits = 15) and of L1's reciprocal (inv_bits = 16).
+EPS_RESOLUTION_BITS = 16
 
 
 # --------------------------------------------------------------------------- parameters
@@ -141,9 +161,12 @@ class NormConfig(abc.ABC):
     """The integer configuration of a normalization op (validated, immutable).
 
     ``gain``/``bias``/``shift``: per-channel output multipliers m_c, biases B_c (in
-    ``2^-shift`` output LSB) and their one shared shift.  ``eps``: ε in the integer
-    units of the op's statistic.  ``frac_bits``: F_z of the normalized value.
-    ``mant_bits``: width of the mantissa fed to the per-row inverse.
+    ``2^-shift`` output LSB) and their one shared shift.  ``eps``: ε_int, the
+    integer added to the scaled statistic, i.e. ε in units of ``2^(-p·eps_shift)``
+    of the op's statistic S (module docstring, stage 1).  ``eps_shift``: g, the
+    guard bits (per p) that give ε that fractional resolution.  ``frac_bits``: F_z
+    of the normalized value.  ``mant_bits``: width of the mantissa fed to the
+    per-row inverse.
     """
 
     n: int
@@ -156,6 +179,7 @@ class NormConfig(abc.ABC):
     frac_bits: int
     mant_bits: int
     rounding: Round = DEFAULT_ROUND
+    eps_shift: int = 0
 
     p: ClassVar[int] = 2  # the statistic is W ~ scale^p: 2 takes a square root
     default_mant_bits: ClassVar[int] = 30
@@ -174,6 +198,7 @@ class NormConfig(abc.ABC):
             object.__setattr__(self, name, _int_tuple(name, getattr(self, name), self.n))
         check_int("shift", self.shift, 0, 62)
         check_int("eps", self.eps, 0)
+        check_int("eps_shift", self.eps_shift, 0, 62 // self.p)
         check_int("mant_bits", self.mant_bits, 2 * self.p, 40)
         if self.p == 2 and self.mant_bits % 2:
             # An even width keeps M in [2^(mb-1), 2^(mb+1)), whose rsqrt never lands on a
@@ -193,16 +218,21 @@ class NormConfig(abc.ABC):
 
     @property
     def pre_shift(self) -> int:
-        """h: the numerator is scaled by 2^h before the normalizing multiply."""
+        """h: the op's power-of-two pre-scale of the numerator (z ≈ 2^(F_z+h) num / S^(1/p))."""
         return 0
+
+    @property
+    def num_shift(self) -> int:
+        """H = h + g: the numerator's shift against W = S·2^(p g) + ε_int (stage 3)."""
+        return self.pre_shift + self.eps_shift
 
     def gain_factor(self) -> float:
         """The op's real constant G folded into every γ multiplier (1 for LayerNorm)."""
         return 1.0
 
     @abc.abstractmethod
-    def eps_units(self, eps: float) -> int:
-        """ε (real units of the normalized statistic) in integer units of W."""
+    def eps_exact(self, eps: float) -> Fraction:
+        """ε_S: ε (real units of the normalized statistic) in units of S, exactly."""
 
 
 def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
@@ -252,6 +282,43 @@ def centered_ranges(rep: RangeReport, cfg: NormConfig) -> int:
     return d
 
 
+def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
+    """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
+
+    The smallest g >= 0 with ε_S 2^(p g) >= 2^EPS_RESOLUTION_BITS — 0 when ε = 0 —
+    lowered until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits the 63-bit
+    check (< 2^62).  The op's full range analysis may lower it further
+    (``NormOp._build``).
+    """
+    if eps_s <= 0:
+        return 0
+    q = Fraction(1 << EPS_RESOLUTION_BITS) / eps_s  # need 2^(p g) >= q
+    k = max(q.numerator.bit_length() - q.denominator.bit_length() + 1, 0)  # 2^k >= q
+    while k > 0 and Fraction(1 << (k - 1)) >= q:
+        k -= 1
+    g = min(-(-k // p), 61 // p)
+    while g > 0 and (stat_hi << (p * g)) + round_rational(eps_s * (1 << (p * g))) >= 1 << 62:
+        g -= 1
+    return g
+
+
+def add_eps(s: Any, cfg: NormConfig, trace: Trace | None) -> Any:
+    """Stage 1's last step, the same for every op: ``W = S·2^(p g) + ε_int``."""
+    pg = cfg.p * cfg.eps_shift
+    return record(trace, "stat", (s << pg if pg else s) + cfg.eps)
+
+
+def add_eps_ranges(rep: RangeReport, raw: StatBounds, cfg: NormConfig) -> StatBounds:
+    """W's range, and the op's relation moved to units of W.
+
+    The op proves ``|num|^p <= min(kappa S, cap)`` with S = (W − ε_int) / 2^(p g),
+    so in units of W the slope is kappa / 2^(p g) and the offset ε_int.
+    """
+    pg = cfg.p * cfg.eps_shift
+    w = rep.add("stat", Interval(raw.w.lo << pg, raw.w.hi << pg) + cfg.eps)
+    return replace(raw, w=w, kappa=raw.kappa / (1 << pg), eps=cfg.eps)
+
+
 # --------------------------------------------------------------------------- stages 2 and 3
 
 
@@ -274,8 +341,8 @@ def split_exponent(w: Any, cfg: NormConfig, stat_bits: int, trace: Trace | None)
 
 
 def shift_numerator(num: Any, e: Any, cfg: NormConfig, trace: Trace | None) -> Any:
-    """``u = num · 2^(h − e)``: exact for e <= h, rounded by the config's mode above."""
-    t = e - cfg.pre_shift
+    """``u = num · 2^(H − e)``, H = h + g: exact for e <= H, rounded by the config's mode above."""
+    t = e - cfg.num_shift
     up = select(t > 0, t, t * 0)
     return record(trace, "num_scaled", rshift_round(num, up, cfg.rounding) << (up - t))
 
@@ -306,17 +373,19 @@ class StatBounds:
     """What stage 1 guarantees about a row's elements.
 
     ``w``: W's range; ``num``: the numerator's range.  Elements that enter the
-    statistic satisfy ``|num|^p <= min(kappa (W − eps), cap)`` (the op proves its
-    kappa; ``cap`` is max |num|^p).  ``outside``: elements that do not enter it
-    (partial RMSNorm) only satisfy ``|num|^p <= outside``, whatever W is.
+    statistic satisfy ``|num|^p <= min(kappa (W − eps), cap)`` (``cap`` is
+    max |num|^p).  ``outside``: elements that do not enter it (partial RMSNorm)
+    only satisfy ``|num|^p <= outside``, whatever W is.  An op states this for its
+    raw statistic S (``w`` = S's range, ``eps`` = 0, its proven kappa);
+    :func:`add_eps_ranges` moves it to W = S·2^(p g) + ε_int.
     """
 
     w: Interval
     num: Interval
     kappa: Fraction
-    eps: int
     cap: int
     outside: int | None = None
+    eps: int = 0
 
     def ratio_on(self, seg: Interval) -> Fraction:
         """sup |num|^p / W over W in ``seg`` (seg.lo >= 1).
@@ -335,16 +404,16 @@ class StatBounds:
 
 
 def numerator_by_exponent(cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval]) -> dict[int, Interval]:
-    """Range of u = num · 2^(h − e) for each exponent e.
+    """Range of u = num · 2^(H − e) for each exponent e (H = h + g: ``num_shift``).
 
-    Absolute: num's range scaled by 2^(h − e) (rounded when e > h).
+    Absolute: num's range scaled by 2^(H − e) (rounded when e > H).
     Relational: |num|^p <= ratio_e · W with W <= W_hi(e), so the real u has
-    |u|^p <= ratio_e · W_hi(e) · 2^(p (h−e)); rounding (e > h) adds at most 1.
+    |u|^p <= ratio_e · W_hi(e) · 2^(p (H−e)); rounding (e > H) adds at most 1.
     The relational side is what keeps u narrow: u tracks the normalized value,
     scaled to the mantissa, and rows with a large W cannot have a numerator near
     the format's limit scaled up by a small exponent.
     """
-    p, h = cfg.p, cfg.pre_shift
+    p, h = cfg.p, cfg.num_shift
     out = {}
     for e, seg in segs.items():
         t = e - h
@@ -362,8 +431,8 @@ def product_bound(
     """max |u · r| when r = round(2^F_r / M^(1/p)) (any rounding: error <= 1).
 
     Per exponent e, with X = W / 2^(p e) in [X_lo, X_hi] (real) and
-    R^p = ratio_e · 2^(p h):  M = X exactly when e <= 0, M > X − 1 when e > 0
-    (truncated); |u| <= R X^(1/p), plus 1 when u is rounded (e > h).  So
+    R^p = ratio_e · 2^(p H) (H = h + g):  M = X exactly when e <= 0, M > X − 1 when
+    e > 0 (truncated); |u| <= R X^(1/p), plus 1 when u is rounded (e > H).  So
 
       |u r| <= (R X^(1/p) + 1) (2^F_r / (X − 1)^(1/p) + 1)
             = R 2^F_r (X/(X−1))^(1/p) + R X^(1/p) + 2^F_r/(X−1)^(1/p) + 1
@@ -374,7 +443,7 @@ def product_bound(
     the others are below 2^-13 of it.  Where u's own range is small (large e),
     max|u| · max r is the tighter bound.
     """
-    p, f, h = cfg.p, cfg.inv_frac_bits, cfg.pre_shift
+    p, f, h = cfg.p, cfg.inv_frac_bits, cfg.num_shift
     best = 0
     for e, u in by_exp.items():
         seg, truncated, rounded = segs[e], e > 0, e > h
@@ -433,7 +502,9 @@ class NormOp(IntOp):
         """Quantize float parameters into a config, deterministically.
 
         γ_c · G / s_out (G: the op's constant) becomes ``m_c / 2^(s − F_z)``; ε
-        becomes integer units of W (exact rational, rounded half up); β_c becomes
+        becomes ``ε_int = round(ε_S 2^(p g))`` (exact rational, rounded half up) with
+        the guard g of :func:`eps_guard_bits`, lowered further while the range
+        analysis refuses the config (g = 0 is the plain integer ε); β_c becomes
         ``round(β_c 2^s / s_out)``, clipped where the output saturates anyway.
         """
         params = FloatParams.checked(gamma, beta, eps)
@@ -459,8 +530,21 @@ class NormOp(IntOp):
         # that shift a gain of one multiplier LSB moves the output by < 2^-30 LSB.
         max_shift = 59 - out_fmt.bits
         gain, shift = cls._quantize_gain(np.ldexp(real_gain, -frac_bits), mult_bits, max_shift)
-        cfg = replace(base, gain=gain, shift=shift, eps=base.eps_units(params.eps), frac_bits=frac_bits)
-        z = cls(cfg, params).ranges()["z"]
+        cfg = replace(base, gain=gain, shift=shift, frac_bits=frac_bits)
+        eps_s = cfg.eps_exact(params.eps)
+        rep = RangeReport(cls.name)
+        stat_hi = cls._statistic_ranges(cfg, rep).w.hi
+        rep.check()
+        g = eps_guard_bits(eps_s, stat_hi, cfg.p)
+        while True:
+            cfg = replace(cfg, eps=round_rational(eps_s * (1 << (cfg.p * g))), eps_shift=g)
+            try:
+                z = cls(cfg, params).ranges()["z"]
+                break
+            except OverflowRiskError:
+                if g == 0:
+                    raise
+                g -= 1
         return cls(replace(cfg, bias=_output_bias(params.beta, cfg, max(-z.lo, z.hi))), params)
 
     @classmethod
@@ -480,7 +564,8 @@ class NormOp(IntOp):
 
     def _forward(self, x: Any, trace: Trace | None) -> Any:
         cfg = self.config
-        w, num = self._statistic(x, trace)
+        s, num = self._statistic(x, trace)
+        w = add_eps(s, cfg, trace)
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
         inv = self._inverse(m, trace)
         u = shift_numerator(num, e, cfg, trace)
@@ -508,7 +593,7 @@ class NormOp(IntOp):
         at stage ends, before a bound too wide for fixedpoint's operands is shifted."""
         cfg = self.config
         rep = RangeReport(self.name)
-        stat = self._statistic_ranges(rep)
+        stat = add_eps_ranges(rep, self._statistic_ranges(cfg, rep), cfg)
         rep.check()
         segs = exponent_segments(stat.w, cfg)
         rep.add("exp", Interval(min(segs), max(segs)))
@@ -567,11 +652,14 @@ class NormOp(IntOp):
 
     @abc.abstractmethod
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
-        """(W per row with keepdims, numerator per element); records its intermediates."""
+        """(S per row with keepdims, numerator per element), ε not yet added;
+        records its intermediates."""
 
+    @classmethod
     @abc.abstractmethod
-    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
-        """Adds the statistic's intermediates; returns what stage 1 guarantees."""
+    def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
+        """Adds the statistic's intermediates; returns what they guarantee about
+        S (``w``: S's range, ``eps`` 0).  A function of the config alone."""
 
     @abc.abstractmethod
     def _inverse(self, m: Any, trace: Trace | None) -> Any:

@@ -3,11 +3,14 @@
 Per row of N integers x (any width 4–16 bits, any positive scale s_in):
 
     S = Σx,  Q = Σx²,  d_i = N x_i − S,  V = N Q − S²  (= N² σ² in LSB², exact)
-    W = V + ε_int,  ε_int = round(ε N² / s_in²)
-    z_i ≈ 2^F_z d_i / sqrt(W)   (= 2^F_z (x_i − μ)/sqrt(σ² + ε), in Q.F_z)
+    W = V · 4^g + ε_int,  ε_int = round(ε_V 4^g),  ε_V = ε N² / s_in²
+    z_i ≈ 2^(F_z + g) d_i / sqrt(W)   (= 2^F_z (x_i − μ)/sqrt(σ² + ε), in Q.F_z)
 
 with one exact ``fixedpoint.rsqrt`` per row on W's 30/31-bit mantissa, then the
-shared affine stage.  Two facts carry the range analysis:
+shared affine stage.  The guard g (``eps_shift``) gives ε fractional resolution —
+ε_V is often not near an integer (44.48 for int8 rows of 64 at s_in = 0.03) — and
+the numerator's shift gains g to compensate (``_normcore``, stage 1).  Two facts
+carry the range analysis:
 
 * V = Σ_{i<j} (x_i − x_j)², so 0 <= V <= floor(N/2) ceil(N/2) (hi − lo)²: V is
   convex in each x_i, so its maximum over the box sits at a vertex, and a vertex
@@ -37,7 +40,6 @@ from qnorm.ops._normcore import (
     centered,
     centered_ranges,
     check_int,
-    round_rational,
     rsqrt_mode,
 )
 from qnorm.ops._xp import row_sum
@@ -82,32 +84,31 @@ def rsqrt_inverse_range(m_iv: Interval, cfg: RsqrtConfig) -> Interval:
 
 @dataclass(frozen=True)
 class LayerNormConfig(RsqrtConfig):
-    """IntLayerNorm config: W = N Σx² − (Σx)² + ε_int."""
+    """IntLayerNorm config: the statistic is V = N Σx² − (Σx)², W = V 4^g + ε_int."""
 
-    def eps_units(self, eps: float) -> int:
-        return variance_eps_units(self, eps)
-
-
-def variance_eps_units(cfg: NormConfig, eps: float) -> int:
-    """σ² + ε = (V + ε N² / s_in²) s_in² / N²: ε in units of V."""
-    return round_rational(Fraction(eps) * cfg.n**2 / Fraction(cfg.in_fmt.scale) ** 2)
+    def eps_exact(self, eps: float) -> Fraction:
+        return variance_eps(self, eps)
 
 
-def variance(x: Any, s: Any, n: int, eps: int, trace: Trace | None) -> Any:
-    """W = N Σx² − (Σx)² + ε_int (exact)."""
+def variance_eps(cfg: NormConfig, eps: float) -> Fraction:
+    """σ² + ε = (V + ε N² / s_in²) s_in² / N²: ε in units of V, exactly."""
+    return Fraction(eps) * cfg.n**2 / Fraction(cfg.in_fmt.scale) ** 2
+
+
+def variance(x: Any, s: Any, n: int, trace: Trace | None) -> Any:
+    """V = N Σx² − (Σx)² (exact; ε is added by ``_normcore.add_eps``)."""
     q = record(trace, "sum_sq", row_sum(x * x))
     nq = record(trace, "n_sum_sq", n * q)
     ss = record(trace, "sum_squared", s * s)
-    v = record(trace, "var", nq - ss)
-    return record(trace, "stat", v + eps)
+    return record(trace, "var", nq - ss)
 
 
-def variance_ranges(rep: RangeReport, cfg: NormConfig) -> StatBounds:
+def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
     """Ranges of the variance pipeline and the relation for d.
 
-    d_i² <= (N−1) V = (N−1)(W − ε) (module docstring) and |d_i| <= D = (N−1)(hi − lo);
-    both are reached together by [lo, hi, …, hi].  The element products N·x and
-    x·x are bounded by n_sum_sq and sum_sq and need no entry of their own.
+    d_i² <= (N−1) V (module docstring) and |d_i| <= D = (N−1)(hi − lo); both are
+    reached together by [lo, hi, …, hi].  The element products N·x and x·x are
+    bounded by n_sum_sq and sum_sq and need no entry of their own.
     """
     d = centered_ranges(rep, cfg)
     x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
@@ -116,8 +117,7 @@ def variance_ranges(rep: RangeReport, cfg: NormConfig) -> StatBounds:
     rep.add("sum_squared", rep["sum"].square())
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
-    w = rep.add("stat", v + cfg.eps)
-    return StatBounds(w, rep["centered"], Fraction(cfg.n - 1), cfg.eps, d * d)
+    return StatBounds(v, rep["centered"], Fraction(cfg.n - 1), d * d)
 
 
 def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:
@@ -159,10 +159,11 @@ class IntLayerNorm(NormOp):
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s, d = centered(x, self.config.n, trace)
-        return variance(x, s, self.config.n, self.config.eps, trace), d
+        return variance(x, s, self.config.n, trace), d
 
-    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
-        return variance_ranges(rep, self.config)
+    @classmethod
+    def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
+        return variance_ranges(cfg, rep)
 
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         return rsqrt_inverse(m, self.config, trace)
@@ -176,9 +177,16 @@ class IntLayerNorm(NormOp):
     def cost(self) -> dict[str, dict[str, int]]:
         n = self.config.n
         return {
-            # Σx, Σx² (N squares), N·Q and S², V, + ε, leading-zero count, mantissa
-            # shift, rsqrt (one division and one isqrt inside fixedpoint.rsqrt)
-            "per_row": {"add": 2 * (n - 1) + 2, "mul": n + 2, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1},
+            # Σx, Σx² (N squares), N·Q and S², V, (V << 2g) + ε, leading-zero count,
+            # mantissa shift, rsqrt (one division and one isqrt inside fixedpoint.rsqrt)
+            "per_row": {
+                "add": 2 * (n - 1) + 2,
+                "mul": n + 2,
+                "div": 1,
+                "sqrt": 1,
+                "lzc": 1,
+                "shift": 1 + (self.config.eps_shift > 0),
+            },
             # N·x (constant), − S, u shift, u·r, z shift, z·m, + B, y shift, saturate
             "per_element": {"const_mul": 1, "add": 2, "mul": 2, "shift": 3, "saturate": 1},
         }

@@ -3,19 +3,23 @@
 ``partial = p`` in (0, 1] takes the statistic from the first k = ceil(p N)
 elements of each row and applies it to the whole row (pRMSNorm).  Per row:
 
-    Q = Σ_{i<k} x_i²,  W = Q + ε_int,  ε_int = round(ε k / s_in²)
-    z_i ≈ 2^(F_z + h) x_i / sqrt(W)
+    Q = Σ_{i<k} x_i²,  W = Q 4^g + ε_int,  ε_int = round(ε_Q 4^g),  ε_Q = ε k / s_in²
+    z_i ≈ 2^(F_z + h + g) x_i / sqrt(W) = 2^(F_z + h) x_i / sqrt(Q + ε_Q)
 
 with one exact ``fixedpoint.rsqrt`` on W's mantissa.  x / sqrt(Q/k + ε/s_in²) =
-sqrt(k) x / sqrt(W): the factor sqrt(k) = 2^h · G is split into a free shift
+sqrt(k) x / sqrt(Q + ε_Q): the factor sqrt(k) = 2^h · G is split into a free shift
 (h = ceil(log2(k) / 2), which keeps z in units of the RMS like LayerNorm's z) and
 a constant G = sqrt(k) / 2^h in (1/sqrt(2), 1] folded into the γ multipliers.
+ε_Q is usually far below 1 (0.7 for int8 rows of 64 at s_in = 0.03; 0.17 with
+p = 0.25), where an integer ε would be 1 or 0 — up to 19 LSB of error on
+near-constant rows.  The guard g (``eps_shift``) gives it fractional resolution
+and the numerator's shift gains g to compensate (``_normcore``, stage 1).
 
 Range facts: an element inside the prefix has x_i² <= Q, so |z| <= 2^(F_z + h)
 (reached by a row with one non-zero element); an element outside it is bounded
-only by the format, against the smallest W (a zero prefix): with ε = 0 that is
-x_max · 2^(F_z + h) — statistics from a prefix can blow up the rest of the row,
-and the analysis says by how much.
+only by the format, against the smallest W (a zero prefix, W = ε_int; with ε = 0
+W = 0 counts as 1 and that is x_max · 2^(F_z + h)) — statistics from a prefix can
+blow up the rest of the row, and the analysis says by how much.
 """
 
 from __future__ import annotations
@@ -32,9 +36,9 @@ from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.ops._normcore import (
     DEFAULT_IN,
     DEFAULT_OUT,
+    NormConfig,
     NormOp,
     StatBounds,
-    round_rational,
 )
 from qnorm.ops._xp import row_sum, take_prefix
 from qnorm.ops.base import Trace, record
@@ -66,9 +70,9 @@ class RMSNormConfig(RsqrtConfig):
     def gain_factor(self) -> float:
         return math.sqrt(self.prefix) / (1 << self.pre_shift)
 
-    def eps_units(self, eps: float) -> int:
+    def eps_exact(self, eps: float) -> Fraction:
         # mean(x²) + ε = (Q + ε k / s_in²) s_in² / k
-        return round_rational(Fraction(eps) * self.prefix / Fraction(self.in_fmt.scale) ** 2)
+        return Fraction(eps) * self.prefix / Fraction(self.in_fmt.scale) ** 2
 
 
 class IntRMSNorm(NormOp):
@@ -111,19 +115,17 @@ class IntRMSNorm(NormOp):
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         head = take_prefix(x, self.config.prefix)
-        q = record(trace, "sum_sq", row_sum(head * head))
-        return record(trace, "stat", q + self.config.eps), x
+        return record(trace, "sum_sq", row_sum(head * head)), x
 
-    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
-        """Inside the prefix x_i² <= Q = W − ε and x_i² <= X² (X = max |x|): a lone X
+    @classmethod
+    def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
+        """Inside the prefix x_i² <= Q and x_i² <= X² (X = max |x|): a lone X
         reaches both.  Outside it only x_i² <= X², against the smallest W (a zero
         prefix)."""
-        cfg = self.config
         x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
         q = rep.add("sum_sq", x.square() * cfg.prefix)
-        w = rep.add("stat", q + cfg.eps)
         top = x.square().hi
-        return StatBounds(w, x, Fraction(1), cfg.eps, top, top if cfg.prefix < cfg.n else None)
+        return StatBounds(q, x, Fraction(1), top, top if cfg.prefix < cfg.n else None)
 
     def _channel_z(self, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval) -> list[Interval]:
         """Channels inside the prefix keep |z| <= 2^(F_z + h); only the rest can blow up."""
@@ -155,8 +157,9 @@ class IntRMSNorm(NormOp):
     def cost(self) -> dict[str, dict[str, int]]:
         k = self.config.prefix
         return {
-            # k squares and their sum, + ε, leading-zero count, mantissa shift, rsqrt
-            "per_row": {"add": k, "mul": k, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1},
+            # k squares and their sum, (Q << 2g) + ε, leading-zero count, mantissa
+            # shift, rsqrt
+            "per_row": {"add": k, "mul": k, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1 + (self.config.eps_shift > 0)},
             # u shift, u·r, z shift, z·m, + B, y shift, saturate
             "per_element": {"add": 1, "mul": 2, "shift": 3, "saturate": 1},
         }

@@ -1,8 +1,10 @@
 """Shift-based LayerNorm: 1/σ and γ rounded to powers of two (adds and shifts only).
 
 In the spirit of the shift-based BatchNorm of binarized networks.  The statistic
-is LayerNorm's (exact W = N Σx² − (Σx)² + ε_int, d = N x − S; the squares are
-narrow in×in products of the reduction).  What changes is the per-element path:
+is LayerNorm's (exact V = N Σx² − (Σx)², d = N x − S; the squares are narrow
+in×in products of the reduction; W = V · 4^g + ε_int with ε at fractional
+resolution and the numerator shifted by g more, as for every norm — ``_normcore``,
+stage 1).  What changes is the per-element path:
 
 * **1/sqrt(W)** — W's leading-zero count gives W = M · 4^e with M in
   [2^(mb−1), 2^(mb+1)), i.e. M / 2^mb = X' in [1/2, 2).  ``mantissa_terms = 1``:
@@ -16,7 +18,7 @@ narrow in×in products of the reduction).  What changes is the per-element path:
   on one shared shift, so the multiply is a shift and a conditional negate.
 
 So per element: N·x − S (N is a constant: shifts and adds), one shift by the
-row exponent, one or two shifts and an add, a rounding shift, the channel's
+row exponent (minus g), one or two shifts and an add, a rounding shift, the channel's
 shift and sign, + β, a rounding shift, saturation.  No multiplier, no divider.
 """
 
@@ -48,7 +50,7 @@ from qnorm.ops.base import Trace, record
 from qnorm.ops.layernorm import (
     layer_norm_reference,
     variance,
-    variance_eps_units,
+    variance_eps,
     variance_ranges,
 )
 from qnorm.qformat import QFormat
@@ -123,8 +125,8 @@ class ShiftNormConfig(NormConfig):
     def inv_frac_bits(self) -> int:
         return self.mant_bits // 2 + mantissa_table(self.mantissa_terms)[0]
 
-    def eps_units(self, eps: float) -> int:
-        return variance_eps_units(self, eps)
+    def eps_exact(self, eps: float) -> Fraction:
+        return variance_eps(self, eps)
 
 
 def round_log2(v: Fraction) -> int:
@@ -202,10 +204,11 @@ class ShiftLayerNorm(NormOp):
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s, d = centered(x, self.config.n, trace)
-        return variance(x, s, self.config.n, self.config.eps, trace), d
+        return variance(x, s, self.config.n, trace), d
 
-    def _statistic_ranges(self, rep: RangeReport) -> StatBounds:
-        return variance_ranges(rep, self.config)
+    @classmethod
+    def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
+        return variance_ranges(cfg, rep)
 
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         """Per row: count the thresholds M crosses, read off value, hi, lo, sign."""
@@ -258,14 +261,16 @@ class ShiftLayerNorm(NormOp):
         rep: RangeReport | None,
     ) -> int:
         """Per exponent e and candidate, on the candidate's part of M's range:
-        |u| <= sqrt(ratio_e (M_hi + t)) + t with t = [e > 0] (X < M + 1 when M is
-        truncated, and u is rounded), capped by u's range; times the candidate's
-        value (the product) or 2^hi (the first partial product)."""
+        |u| <= sqrt(ratio_e 4^H (M_hi + [e > 0])) + [e > H] (X < M + 1 when M is
+        truncated; u = num 2^(H − e) is rounded when e > H, H = g the ε guard),
+        capped by u's range; times the candidate's value (the product) or 2^hi
+        (the first partial product)."""
         prod = part = 0
+        h = self.config.num_shift
         for e, u_iv in by_exp.items():
-            t, ratio, u_cap = int(e > 0), stat.ratio_on(segs[e]), max(-u_iv.lo, u_iv.hi)
+            ratio, u_cap = stat.ratio_on(segs[e]) * (1 << (2 * h)), max(-u_iv.lo, u_iv.hi)
             for cand, seg in self._segments(mantissa_range(e, segs[e], self.config)):
-                u = min(u_cap, floor_root(ratio * (seg.hi + t), 2) + t)
+                u = min(u_cap, floor_root(ratio * (seg.hi + (e > 0)), 2) + (e > h))
                 prod, part = max(prod, u * cand.value), max(part, u << cand.hi)
         if rep is not None:
             rep.add("prod_hi", Interval(-part, part))
@@ -278,15 +283,16 @@ class ShiftLayerNorm(NormOp):
     def cost(self) -> dict[str, dict[str, int]]:
         n, terms = self.config.n, self.config.mantissa_terms
         return {
-            # Σx, Σx² (narrow in×in squares), N·Q and S², V, + ε, leading-zero
-            # count, mantissa shift, threshold compares selecting the mantissa
+            # Σx, Σx² (narrow in×in squares), N·Q and S², V, (V << 2g) + ε,
+            # leading-zero count, mantissa shift, threshold compares selecting the
+            # mantissa
             "per_row": {
                 "add": 2 * (n - 1) + 2,
                 "mul": n + 2,
                 "div": 0,
                 "sqrt": 0,
                 "lzc": 1,
-                "shift": 1,
+                "shift": 1 + (self.config.eps_shift > 0),
                 "compare": len(mantissa_table(terms)[1]) - 1,
             },
             # N·x (constant), − S, u shift, 1–2 shifts (+ add), z shift, γ shift and
