@@ -10,6 +10,7 @@ Shared machinery (input quantizer, autograd Function, output wrapper): :mod:`qno
 
 from qnorm.nn._qat import BNQATModule, InputQuantizer, IntInference, IntModule, QATModule, QuantizedInput
 from qnorm.nn.bnact import BNQuantAct, MultiThresholdAct
+from qnorm.nn.norms import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm, register_training_kinds
 from qnorm.nn.spiking import MPBNLIF, FoldedMPBNLIF
 
 __all__ = [
@@ -19,8 +20,13 @@ __all__ = [
     "FoldedMPBNLIF",
     "InputQuantizer",
     "IntInference",
+    "IntLayerNorm",
     "IntModule",
+    "IntRMSNorm",
+    "L1LayerNorm",
     "MultiThresholdAct",
     "QATModule",
     "QuantizedInput",
+    "ShiftLayerNorm",
+    "register_training_kinds",
 ]

@@ -23,6 +23,14 @@ Every layer in :mod:`qnorm.nn` follows one recipe, and this module provides each
 5. **Output**: a float tensor, or an ``IntQuantTensor`` (zero point 0) with
    ``return_quant_tensor=True``, so a layer sits between Brevitas layers without glue.
 
+**Data-parallel training.**  With ``torch.distributed`` initialized, a training
+forward reduces what it learns from the batch over the ranks: the calibrating
+quantizer's batch max |x| (all-reduce max), and the BN layers' exact integer sums
+``S``, ``sum x^2`` and the count (all-reduce sum, :func:`batch_stats`), whose float
+surrogate then normalizes over the ranks too (:func:`synced_batch_norm`).  So every
+replica computes the statistics of the global batch, bit for bit those of one
+process on the concatenated batch, and the buffers never diverge.
+
 **Why int64 and not float.**  Float arithmetic is exact only while every intermediate
 (products, BN numerators, membrane potentials, ...) stays below 2^24 in magnitude
 (float32) or 2^53 (float64).  The golden ops' intermediates (e.g. ``P x + Q`` of a
@@ -62,13 +70,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import Round
 from qnorm.ops.base import IntOp
-from qnorm.ops.bnfold import MAX_FRAC_BITS, MAX_GAMMA_SHIFT, RationalBN, check_bn_stats, real_params
+from qnorm.ops.bnfold import RationalBN, check_bn_stats, real_params
 from qnorm.qformat import QFormat
 
 COMPUTE_DTYPE = torch.int64
@@ -149,21 +157,14 @@ def check_finite_float(x: torch.Tensor, name: str = "input") -> None:
 
 
 def quantize_float(x: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fmt.quantize`` (round half up, saturate) on a torch tensor: int64 and pass mask.
+    """:meth:`QFormat.quantize` (round half up, saturate) of a torch tensor, and the STE mask.
 
-    The same steps as :meth:`QFormat.quantize` in the same float64 arithmetic: one
-    correctly rounded division ``x / scale``, a clamp to [lo - 1, hi + 1], then the
-    exact half-up rule ``floor(t) + (t - floor(t) >= 1/2)`` (``t - floor(t)`` is exact
-    there), so the integers equal the numpy quantizer's on every device.
+    The spec's own quantizer on the float64 tensor (torch operations on the input's
+    device, the same float64 steps as on numpy, so the same integers), and
+    :meth:`QFormat.in_range`: True where ``x / scale`` was not clipped.
     """
-    t = x.detach().to(torch.float64) / fmt.scale
-    if not torch.isfinite(t).all():
-        raise ValueError(f"input / scale overflows float64 at scale {fmt.scale!r}")
-    inside = (t >= fmt.lo) & (t <= fmt.hi)
-    t = t.clamp(fmt.lo - 1.0, fmt.hi + 1.0)
-    fl = torch.floor(t)
-    q = (fl + (t - fl >= 0.5).to(t.dtype)).clamp(fmt.lo, fmt.hi)
-    return q.to(COMPUTE_DTYPE), inside
+    t = x.detach().to(torch.float64)
+    return fmt.quantize(t), fmt.in_range(t)
 
 
 def _brevitas_int_quant_tensor() -> type:
@@ -221,6 +222,11 @@ class InputQuantizer(nn.Module):
     are: the rounding that made them, half to even, is upstream).  A fixed-format
     quantizer refuses one whose format differs; a calibrating quantizer adopts it.
     Rounding of float input is half up (qnorm's default, :meth:`QFormat.quantize`).
+
+    Under ``torch.distributed`` (initialized, training) the batch max |x| is the max
+    over all ranks (one all-reduce MAX in ``process_group``, default the world), so
+    every replica calibrates the same scale, the one single-process training on the
+    concatenated batch would; ``sync_stats = False`` keeps it per rank.
     """
 
     running_max_abs: torch.Tensor
@@ -239,6 +245,7 @@ class InputQuantizer(nn.Module):
         self.momentum = momentum
         self.register_buffer("running_max_abs", torch.zeros((), dtype=torch.float64))
         self._qt_fmt: QFormat | None = None
+        self.sync_stats, self.process_group = True, None  # see the class docstring
 
     @property
     def fmt(self) -> QFormat | None:
@@ -261,8 +268,8 @@ class InputQuantizer(nn.Module):
             return q
         check_finite_float(x)
         self._qt_fmt = None
-        if self.training and self.fixed is None and x.numel():
-            self._calibrate(float(x.detach().abs().max()))
+        if self.training and self.fixed is None:
+            self._calibrate_on(x)
         fmt = self.fmt
         if fmt is None:
             raise ValueError(
@@ -272,6 +279,16 @@ class InputQuantizer(nn.Module):
         ints, inside = quantize_float(x, fmt)
         dequant = ints.to(x.dtype) * fmt.scale
         return QuantizedInput(ints, fmt, x, dequant, inside.to(x.dtype))
+
+    def _calibrate_on(self, x: torch.Tensor) -> None:
+        """Update the calibration with the batch max |x|, the max over all ranks under torch.distributed."""
+        sync = self.sync_stats and distributed()
+        if not (x.numel() or sync):
+            return
+        peak = x.detach().abs().max().to(torch.float64) if x.numel() else x.new_zeros((), dtype=torch.float64)
+        if sync:  # every rank joins the reduction (an empty shard with 0), so none waits forever
+            peak = all_reduce_max(peak, self.process_group)
+        self._calibrate(float(peak))
 
     def _calibrate(self, batch_max: float) -> None:
         if batch_max <= 0.0:  # an all-zero batch says nothing about the range
@@ -485,7 +502,7 @@ class BatchStats:
     var_unbiased: np.ndarray  # the running variance tracks it (as torch BN)
 
 
-def batch_stats(ints: torch.Tensor, scale: float) -> BatchStats:
+def batch_stats(ints: torch.Tensor, scale: float, *, sync: bool = False, group: Any = None) -> BatchStats:
     """BN statistics of integers (channels on the last axis, ``real = int * scale``).
 
     With n values per channel, ``S = sum x`` and ``V = n sum x^2 - S^2`` are exact
@@ -493,15 +510,29 @@ def batch_stats(ints: torch.Tensor, scale: float) -> BatchStats:
     nearest ``V s^2 / n^2`` (unbiased: ``/ (n (n - 1))``), by Python's correctly rounded
     int / int division.  So the statistics, and the integer constants derived from
     them, are the same on every device and for every reduction order.
+
+    ``sync``: first all-reduce (sum) the exact integers ``S``, ``sum x^2`` and ``n``
+    over the ranks of ``group`` (torch.distributed, default the world; plus one
+    all-reduce max of ``max |x|`` for the overflow check), so every rank gets the
+    statistics of the global batch, bit for bit those of the concatenated batch
+    (integer sums do not depend on the order).  Every check runs after the
+    reductions, on global values, so all ranks accept or refuse together.
     """
     flat = ints.reshape(-1, ints.shape[-1])
-    n = flat.shape[0]
+    n, c = flat.shape
+    peak = flat.abs().max() if flat.numel() else flat.new_zeros(())
+    sums, squares = flat.sum(0), (flat * flat).sum(0)  # squares may wrap: then the check below refuses
+    if sync:
+        peak = all_reduce_max(peak, group)
+        packed = torch.cat([sums, squares, flat.new_tensor([n])])
+        dist.all_reduce(packed, group=group)
+        sums, squares, n = packed[:c], packed[c: 2 * c], int(packed[-1])
     if n < 2:
         raise ValueError(f"BatchNorm in training needs more than one value per channel, got {n}")
-    peak = int(flat.abs().max())
+    peak = int(peak)
     if peak * peak * n >= 1 << 63:
         raise ValueError(f"batch too large for exact int64 statistics: {n} values up to |{peak}| per channel")
-    sums, squares = flat.sum(0).tolist(), (flat * flat).sum(0).tolist()
+    sums, squares = sums.tolist(), squares.tolist()
     num, den = float(scale).as_integer_ratio()
     dev = [n * q - s * s for s, q in zip(sums, squares)]
     return BatchStats(
@@ -511,65 +542,52 @@ def batch_stats(ints: torch.Tensor, scale: float) -> BatchStats:
     )
 
 
-def _round_ratio(num: int, den: int) -> int:
-    """``floor(num / den + 1/2)`` for den > 0: round half up of an exact rational."""
-    return (2 * num + den) // (2 * den)
+def distributed() -> bool:
+    """True when torch.distributed is initialized (the statistics are then synchronized in training)."""
+    return dist.is_available() and dist.is_initialized()
 
 
-def rational_bn(
-    gamma: np.ndarray,
-    beta: np.ndarray,
-    mean: np.ndarray,
-    var: np.ndarray,
-    eps: np.ndarray,
-    in_scale: float,
-    out_scale: float,
-    gamma_bits: int = 16,
-    frac_bits: int = 8,
-    out_frac_bits: int = 8,
-) -> RationalBN:
-    """:meth:`RationalBN.from_float`, the same exact rationals without ``Fraction``.
+def all_reduce_max(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The element-wise max of ``t`` over the ranks of ``group`` (a reduced copy; exact)."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out
 
-    ``RationalBN.from_float`` costs about 0.2 ms per channel (a Fraction and a Python
-    loop of ``fixedpoint.isqrt`` per channel), too slow to run in every training step.
-    Here every float is its exact ratio ``a / 2^k`` (``float.as_integer_ratio``) and each
-    constant one Python-int floor division:
 
-        M = round(mean / s_in 2^F),  B = round(beta / s_out 2^Fo),
-        D = isqrt_round(round((var + eps) / s_in^2 2^2F))
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over ranks: the gradient of a sum is the sum of the gradients."""
 
-    with round = half up = ``floor(n/d + 1/2)`` and ``math.isqrt`` (exact floor root;
-    ``isqrt_round`` adds one iff v > r^2 + r, as fixedpoint does).  The gamma
-    multipliers come from the same ``fixedpoint.dyadic_vector`` call.  Where a
-    constant leaves the op's limits, the reference derivation runs instead and raises
-    the op's own error.  Tests check field equality on random and tie values.
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = t.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def synced_batch_norm(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, group: Any = None) -> torch.Tensor:
+    """Float BN of (N, C, ...) ``h`` with the biased statistics of the batch over all ranks.
+
+    The surrogate of a synchronized BN layer (the float twin of ``batch_stats(sync=True)``),
+    differentiable through the reductions like ``SyncBatchNorm``: with DDP's gradient
+    averaging the gradients are those of one process on the concatenated batch (up
+    to float summation order).  The same two-pass rule as
+    :class:`qnorm.train.distributed.GlooSyncBatchNorm` (which lives above ``qnorm.nn``).
     """
-    def reference() -> RationalBN:
-        return RationalBN.from_float(
-            gamma, beta, mean, var, eps, in_scale, out_scale, gamma_bits, frac_bits, out_frac_bits
-        )
-
-    shapes = {a.shape for a in (gamma, beta, mean, var, eps)}
-    if len(shapes) != 1 or not (0 <= frac_bits <= MAX_FRAC_BITS and 0 <= out_frac_bits <= MAX_FRAC_BITS):
-        return reference()
-    g, shift = fp.dyadic_vector(gamma / float(out_scale), gamma_bits, MAX_GAMMA_SHIFT)
-    in_n, in_d = float(in_scale).as_integer_ratio()
-    out_n, out_d = float(out_scale).as_integer_ratio()
-    m, b, v = [], [], []
-    for mu, be, va, ep in zip(*(a.ravel().tolist() for a in (mean, beta, var, eps))):
-        a, k = mu.as_integer_ratio()
-        m.append(_round_ratio(a * in_d << frac_bits, k * in_n))
-        a, k = be.as_integer_ratio()
-        b.append(_round_ratio(a * out_d << out_frac_bits, k * out_n))
-        (a1, k1), (a2, k2) = va.as_integer_ratio(), ep.as_integer_ratio()
-        v.append(_round_ratio((a1 * k2 + a2 * k1) * in_d * in_d << (2 * frac_bits), k1 * k2 * in_n * in_n))
-    limit = 1 << 62
-    if v and (min(v) < 1 or max(v) > limit or max(map(abs, m + b)) >= limit):
-        return reference()  # out of the op's limits (v < 1 means D < 1): its own error
-    roots = [math.isqrt(x) for x in v]
-    d = [r + (x > r * r + r) for r, x in zip(roots, v)]
-    gm, mq, dq, bq = (np.array(a, dtype=np.int64).reshape(gamma.shape) for a in (g, m, d, b))
-    return RationalBN(gm, shift, mq, dq, frac_bits, bq, out_frac_bits)
+    c = h.shape[1]
+    dims = [0, *range(2, h.dim())]
+    shape = [1, c] + [1] * (h.dim() - 2)
+    total = _AllReduceSum.apply(torch.cat([h.sum(dims), h.new_tensor([h.numel() // c])]), group)
+    count = total[c]
+    centered = h - (total[:c] / count).view(shape)
+    var = _AllReduceSum.apply((centered * centered).sum(dims), group) / count
+    return centered * torch.rsqrt(var + eps).view(shape) * w.view(shape) + b.view(shape)
 
 
 def rational_bn_constants(bn: RationalBN) -> dict[str, Any]:
@@ -594,6 +612,11 @@ class BNQATModule(QATModule):
     float64 on the host, unbiased variance, as torch BN.  ``eps`` is in real units of
     the variance.  ``gamma_bits``/``frac_bits``/``out_frac_bits`` are the precision of
     the derived :class:`~qnorm.ops.bnfold.RationalBN` constants.
+
+    Under ``torch.distributed`` the batch statistics are those of the global batch
+    (:meth:`training_stats`: the exact integer sums are all-reduced over
+    ``process_group``, default the world; ``sync_stats = False`` keeps them per rank),
+    so the running statistics stay bitwise identical across replicas.
     """
 
     running_mean: torch.Tensor
@@ -624,6 +647,7 @@ class BNQATModule(QATModule):
         self.register_buffer("running_mean", torch.zeros(channels))
         self.register_buffer("running_var", torch.ones(channels))
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+        self.sync_stats, self.process_group = True, None  # see training_stats
 
     def running_stats(self) -> BatchStats:
         var = param_array(self.running_var)
@@ -645,15 +669,41 @@ class BNQATModule(QATModule):
         return p
 
     def rational(self, p: dict[str, np.ndarray], in_scale: float, out_scale: float) -> RationalBN:
-        return rational_bn(
+        return RationalBN.from_float(
             p["gamma"], p["beta"], p["mean"], p["var"], p["eps"], in_scale, out_scale,
             self.gamma_bits, self.frac_bits, self.out_frac_bits,
         )  # fmt: skip
 
+    def training_stats(self, ints: torch.Tensor, scale: float) -> BatchStats:
+        """:func:`batch_stats` of channel-last integers, over all ranks under torch.distributed.
+
+        In training with an initialized process group (and ``sync_stats``), the exact
+        integer sums are all-reduced first: every replica normalizes with the global
+        batch statistics and applies the identical running-statistics update, like
+        ``SyncBatchNorm`` (exactly, since the sums are integers).
+        """
+        return batch_stats(ints, scale, sync=self.syncing(), group=self.process_group)
+
+    def syncing(self) -> bool:
+        """Whether this forward's batch statistics span the ranks (training, process group, ``sync_stats``)."""
+        return self.training and self.sync_stats and distributed()
+
     def surrogate_bn(
-        self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, running: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        h: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor,
+        running: tuple[torch.Tensor, torch.Tensor] | None,
+        sync: bool = False,
     ) -> torch.Tensor:
-        """Float BN of (N, C, ...) ``h``: batch statistics if ``running`` is None (training)."""
+        """Float BN of (N, C, ...) ``h``: batch statistics if ``running`` is None (training).
+
+        ``sync`` (the forward's :meth:`syncing`, captured when it ran): the batch
+        statistics span all ranks, as the integer forward's did, and so does their
+        gradient (:func:`synced_batch_norm`).
+        """
+        if running is None and sync:
+            return synced_batch_norm(h, w.to(h.dtype), b.to(h.dtype), self.eps, self.process_group)
         rm, rv = (None, None) if running is None else (r.to(h.dtype) for r in running)
         return F.batch_norm(h, rm, rv, w.to(h.dtype), b.to(h.dtype), running is None, 0.0, self.eps)
 

@@ -6,11 +6,12 @@ per channel (dim 1 of ``(B, C, *spatial)``),
     q = clamp(round((gamma (x - mu) / sqrt(var + eps) + beta) / s_out), q_lo, q_hi)
 
 evaluated exactly in integers (the golden op's body on int64 tensors) with mu/var the
-batch statistics of the quantized input in training and the running statistics in
-eval.  Backward: float BN (batch statistics in training, as torch BN) followed by the
+batch statistics of the quantized input in training (of the global batch under
+torch.distributed) and the running statistics in eval.  Backward: float BN (batch statistics in training, as torch BN) followed by the
 clipped identity, i.e. a straight-through estimator for the rounding that passes the
 gradient where ``q_lo s_out <= BN(x) <= q_hi s_out`` and zeroes it where the
-activation saturates.
+activation saturates.  Under torch.distributed the float BN's batch statistics
+span the ranks too (:func:`~qnorm.nn._qat.synced_batch_norm`).
 
 :meth:`BNQuantAct.fold` gives :class:`MultiThresholdAct`, the FINN-style
 multi-threshold unit (:class:`~qnorm.ops.multithreshold.MultiThreshold`) with
@@ -30,7 +31,6 @@ from qnorm.nn._qat import (
     InputQuantizer,
     IntInference,
     Output,
-    batch_stats,
     rational_bn_constants,
     to_op_layout,
 )
@@ -90,20 +90,20 @@ class BNQuantAct(BNQATModule):
         fmt = self.input_format(in_fmt)
         p = self.bn_params(stats if stats is not None else self.running_stats())
         bn = self.rational(p, fmt.scale, self.out_fmt.scale)
-        return BNQuant(BNActConfig(fmt, self.out_fmt, self.rounding), bn, FloatBN(**p))
+        return BNQuant.from_rational(BNActConfig(fmt, self.out_fmt, self.rounding), bn, FloatBN(**p))
 
     def forward(self, x: torch.Tensor | Any) -> Output:
         q = self.quantize_input(x)
         stats = None
         if self.training:
-            stats = batch_stats(to_op_layout(q.ints, self.channel_dim), q.fmt.scale)
+            stats = self.training_stats(to_op_layout(q.ints, self.channel_dim), q.fmt.scale)
             self.update_running_stats(stats)
         op = self.golden(q.fmt, stats)
-        running = self.frozen_running()
+        running, sync = self.frozen_running(), self.syncing()
         lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
 
         def surrogate(xd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return self.surrogate_bn(xd, w, b, running).clamp(lo, hi)
+            return self.surrogate_bn(xd, w, b, running, sync).clamp(lo, hi)
 
         return self.finish(q, self.run_golden(op, q.ints), self.out_fmt, surrogate, (self.weight, self.bias))
 

@@ -12,10 +12,12 @@ are quantized to the membrane LSB; per neuron, t = 1..T:
 **Forward** (bit-exact): in eval, the golden ``MPBNNeuron`` built from the running
 statistics runs its own body on int64 tensors.  In training each step normalizes with
 the batch statistics of that step's integer membrane (over batch and spatial
-positions, as a BatchNorm called once per step), so step t fires by the golden
-neuron built from step t's statistics; the running statistics are updated once per
-step.  The loop in :func:`_train_steps` is the golden ``_forward`` step with the
-firing rule swapped per step (tested equal to the golden body for a fixed neuron).
+positions, as a BatchNorm called once per step; over all ranks under
+torch.distributed), so step t fires by the golden neuron built from step t's
+statistics; the running statistics are updated once per step.  The loop in
+:meth:`MPBNLIF._train_steps` is the golden neuron's own public step
+(``LIFConfig.charge``, ``neuron.fires``, ``neuron.reset``: the calls its
+``_forward`` makes) with the neuron swapped per step.
 
 **Backward**: the float MPBN LIF on the dequantized input with the float gamma/beta
 (back-propagation through time), with the Heaviside's derivative replaced by the
@@ -26,6 +28,8 @@ arctan surrogate (SpikingJelly's ``ATan``):
 The reset is not detached (the gradient flows through it, as in the float baseline
 ``qnorm.train.models.MPBNLIF``); the soft-reset amount R is the integer neuron's
 (times the input scale), a constant; saturation clamps with zero gradient outside.
+Under torch.distributed the float BN's batch statistics span the ranks, as the
+integer forward's do (:func:`~qnorm.nn._qat.synced_batch_norm`).
 
 :meth:`MPBNLIF.fold` gives :class:`FoldedMPBNLIF`: one integer threshold per channel
 (``u >= theta``, or ``u <= theta`` for gamma < 0, constant for gamma = 0) with spike
@@ -35,7 +39,6 @@ trains identical to the unfolded neuron's.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -50,23 +53,13 @@ from qnorm.nn._qat import (
     InputQuantizer,
     IntInference,
     Output,
-    batch_stats,
     from_op_layout,
     rational_bn_constants,
     to_op_layout,
 )
-from qnorm.ops._xp import const_like
 from qnorm.ops.base import IntOp
-from qnorm.ops.bnfold import FloatBN, to_fixed
-from qnorm.ops.spiking import (
-    FloatLIF,
-    FoldedLIFNeuron,
-    LIFConfig,
-    MPBNNeuron,
-    MPBNParams,
-    _float_reset,
-    _reset_amount,
-)
+from qnorm.ops.bnfold import FloatBN
+from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, quantize_threshold
 from qnorm.qformat import QFormat
 
 
@@ -84,21 +77,6 @@ class ATanSpike(torch.autograd.Function):
         (z,) = ctx.saved_tensors
         a = ctx.alpha
         return grad * (a / 2) / (1 + (math.pi / 2 * a * z) ** 2), None, None
-
-
-def _charge(cfg: LIFConfig, prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
-    """``pre = saturate(leak(prev) + cur)``: the golden step's charge, same fixedpoint calls."""
-    leaked = prev if cfg.leak is None else fp.dyadic_mul(prev, cfg.leak.m, cfg.leak.s)
-    pre = leaked + cur
-    return fp.saturate(pre, cfg.membrane_bits) if cfg.saturate else pre
-
-
-def _reset(cfg: LIFConfig, op: MPBNNeuron, pre: torch.Tensor, fire: torch.Tensor) -> torch.Tensor:
-    """The golden step's reset: to u_rest (hard) or minus R (soft, saturated)."""
-    if cfg.reset == "hard":
-        return fp.select(fire, cfg.u_rest, pre)
-    post = pre - fp.select(fire, const_like(pre, op.params.reset_sub), 0)
-    return fp.saturate(post, cfg.membrane_bits) if cfg.saturate else post
 
 
 def _check_membrane(cfg: LIFConfig, u: torch.Tensor, name: str, step: int) -> None:
@@ -178,10 +156,8 @@ class MPBNLIF(BNQATModule):
         p = self.bn_params(stats if stats is not None else self.running_stats())
         bn = self.rational(p, cfg.in_fmt.scale, 1.0)
         v_th = np.full(bn.shape, self.v_th)
-        vq = np.full(bn.shape, to_fixed("v_th", Fraction(self.v_th), self.out_frac_bits), dtype=np.int64)
-        params = MPBNParams(bn, vq, _reset_amount(cfg, bn, vq, None))
-        fbn = FloatBN(**p)
-        return MPBNNeuron(cfg, params, FloatLIF(fbn, v_th, _float_reset(cfg, fbn, v_th, None, params)))
+        vq = quantize_threshold(v_th, self.out_frac_bits)
+        return MPBNNeuron.from_rational(cfg, bn, vq, reference=FloatBN(**p), v_th=v_th)
 
     def forward(self, x: torch.Tensor | Any) -> Output:
         q = self.quantize_input(x)
@@ -193,10 +169,10 @@ class MPBNLIF(BNQATModule):
             spikes, neurons = op._forward(u, None), [op] * u.shape[0]
         cfg = self.lif_config(q.fmt)
         resets = [torch.from_numpy(n.params.reset_sub * q.fmt.scale) for n in neurons]
-        running = self.frozen_running()
+        running, sync = self.frozen_running(), self.syncing()
 
         def surrogate(xd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return self._float_lif(xd, w, b, cfg, running, resets)
+            return self._float_lif(xd, w, b, cfg, running, resets, sync)
 
         out_fmt = MPBNNeuron.out_fmt
         return self.finish(q, from_op_layout(spikes, self.channel_dim), out_fmt, surrogate, (self.weight, self.bias))
@@ -207,15 +183,14 @@ class MPBNLIF(BNQATModule):
         spikes, neurons, state = u * 0, [], None
         for t in range(u.shape[0]):
             cur = u[t]
-            prev = cur * 0 + cfg.u_rest if state is None else state
-            pre = _charge(cfg, prev, cur)
+            pre = cfg.charge(cfg.rest_like(cur) if state is None else state, cur)
             if not cfg.saturate:
                 _check_membrane(cfg, pre, "membrane", t + 1)
-            stats = batch_stats(pre, fmt.scale)
+            stats = self.training_stats(pre, fmt.scale)
             self.update_running_stats(stats)
             op = self.golden(fmt, stats)
-            fire = op._fires(pre)
-            state = _reset(cfg, op, pre, fire)
+            fire = op.fires(pre)
+            state = op.reset(pre, fire)
             if not cfg.saturate:
                 _check_membrane(cfg, state, "membrane_reset", t + 1)
             spikes[t] = fp.select(fire, 1, 0)
@@ -230,6 +205,7 @@ class MPBNLIF(BNQATModule):
         cfg: LIFConfig,
         running: tuple[torch.Tensor, torch.Tensor] | None,
         resets: list[torch.Tensor],
+        sync: bool = False,
     ) -> torch.Tensor:
         """The float neuron (real units) whose gradient the layer uses; spikes (T, B, C, ...)."""
         scale = cfg.in_fmt.scale
@@ -242,7 +218,7 @@ class MPBNLIF(BNQATModule):
         for t in range(x.shape[0]):
             h = lam * u + x[t]
             h = h.clamp(lo, hi) if cfg.saturate else h
-            z = self.surrogate_bn(h, w, b, running)
+            z = self.surrogate_bn(h, w, b, running, sync)
             s = ATanSpike.apply(z - self.v_th, self.alpha, cfg.comparator == ">")
             if cfg.reset == "hard":
                 u = h * (1 - s) + rest * s

@@ -62,13 +62,9 @@ class _Registry:
 
 
 def _import_plugins() -> None:
-    try:
-        importlib.import_module("qnorm.nn")
-    except ModuleNotFoundError as err:
-        # Only the absence of qnorm.nn itself is expected; a broken import inside it
-        # must surface.
-        if err.name != "qnorm.nn":
-            raise
+    # qnorm.nn registers its layers on request only: importing it must not pull in
+    # brevitas or this module.
+    importlib.import_module("qnorm.nn").register_training_kinds()
 
 
 _NORMS = _Registry("norm")

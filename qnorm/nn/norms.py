@@ -1,0 +1,338 @@
+"""Integer normalization layers for QAT: bit-exact integer forward, float surrogate backward.
+
+:class:`IntLayerNorm`, :class:`L1LayerNorm`, :class:`ShiftLayerNorm` and
+:class:`IntRMSNorm` are the trainable forms of the golden ops of the same names in
+:mod:`qnorm.ops`; all normalize the last axis of ``(..., N)`` and are drop-in
+replacements for ``nn.LayerNorm(N)`` / ``nn.RMSNorm(N)`` (same leading constructor
+arguments, same ``weight``/``bias``/``eps`` attributes).
+
+**Forward** (bit-exact, :mod:`qnorm.nn._qat`): the input is quantized (a fixed
+``in_fmt``, a per-tensor scale calibrated in training, or a Brevitas
+``IntQuantTensor``'s own integers); the golden op is re-derived from the current
+float γ, β, ε by its own ``from_float`` in every forward (γ into per-channel dyadic
+multipliers — powers of two for ShiftLayerNorm — and β into accumulator units, so a
+training step's parameter update is seen by the next forward); the op's integer body
+runs on int64 tensors and the output is ``golden_ints * out_fmt.scale`` in the
+input's float dtype, exactly.
+
+**Backward**: the vector-Jacobian product of the float op the integer op
+approximates, at the dequantized input with the float γ, β, clipped to the output
+format's range (a straight-through estimator that is zero where the output
+saturates, as for Brevitas' activation quantizers); the input quantizer passes the
+gradient where it did not clip.  Per layer the surrogate is
+
+* IntLayerNorm, ShiftLayerNorm: ``F.layer_norm``.  For ShiftLayerNorm this is a
+  straight-through estimator over the power-of-two approximation as well: the
+  gradient ignores that 1/σ and γ are rounded to (one- or two-term) powers of two,
+  and γ gets the gradient of the continuous γ it is rounded from;
+* L1LayerNorm: the true L1 norm ``γ (x − μ) / (sqrt(π/2) MAD + ε) + β``,
+  ``MAD = mean |x − μ|`` (the op's float reference, written in torch);
+* IntRMSNorm: ``F.rms_norm``; with ``partial = p < 1`` the partial RMS norm whose
+  mean square comes from the first ``k = ceil(p N)`` elements of each row.
+
+``register_training_kinds()`` registers the layers with :mod:`qnorm.train.models`
+as the norm kinds ``int_ln``, ``l1``, ``shift``, ``shift1`` (one-term mantissa) and
+``int_rms``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import fields
+from fractions import Fraction
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qnorm import fixedpoint as fp
+from qnorm import ops
+from qnorm.fixedpoint import DEFAULT_ROUND, Round
+from qnorm.nn._qat import InputQuantizer, Output, QATModule, Surrogate, is_quant_tensor, param_array
+from qnorm.ops._normcore import DEFAULT_OUT, NormOp
+from qnorm.qformat import QFormat
+
+SQRT_HALF_PI = math.sqrt(math.pi / 2)  # the L1 norm's c: c · MAD = σ for Gaussian rows
+
+
+def _channels(normalized_shape: int | Sequence[int]) -> int:
+    """nn.LayerNorm's ``normalized_shape`` restricted to what the golden ops do: one axis."""
+    if isinstance(normalized_shape, Sequence):
+        if len(normalized_shape) != 1:
+            raise ValueError(
+                f"qnorm norm layers normalize the last axis only; normalized_shape must be an int or a "
+                f"1-element sequence, got {tuple(normalized_shape)}"
+            )
+        normalized_shape = normalized_shape[0]
+    if isinstance(normalized_shape, bool) or not isinstance(normalized_shape, int) or normalized_shape < 1:
+        raise ValueError(f"normalized_shape must be a positive integer, got {normalized_shape!r}")
+    return normalized_shape
+
+
+class _IntNorm(QATModule):
+    """What the four norm layers share; a subclass names its golden op and float op.
+
+    ``op_cls``: the golden op class; ``_op_options``: its extra ``from_float``
+    arguments; ``_float_op``: the unquantized float op (the surrogate before the
+    output clip), with ``w``/``b`` None when the layer has no γ/β.
+    """
+
+    channel_dim = -1
+    min_ndim = 1
+    op_cls: ClassVar[type[NormOp]]
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        *,
+        out_fmt: QFormat = DEFAULT_OUT,
+        in_fmt: QFormat | None = None,
+        in_bits: int = 8,
+        momentum: float = 0.1,
+        rounding: Round | str = DEFAULT_ROUND,
+        return_quant_tensor: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        n = _channels(normalized_shape)
+        if not isinstance(out_fmt, QFormat):
+            raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        super().__init__(n, InputQuantizer(in_fmt, bits=in_bits, momentum=momentum), return_quant_tensor)
+        self.normalized_shape = (n,)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.out_fmt = out_fmt
+        self.rounding = Round.parse(rounding)
+        make = {"device": device, "dtype": dtype}
+        # Registered even when absent (None), as nn.LayerNorm does: layer.weight / layer.bias always exist.
+        self.register_parameter("weight", nn.Parameter(torch.ones(n, **make)) if elementwise_affine else None)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(n, **make)) if elementwise_affine and bias else None)
+
+    # ---- the golden op
+
+    def golden(self, in_fmt: QFormat | None = None) -> NormOp:
+        """The golden op for the current γ, β, ε and input format (default: the quantizer's)."""
+        gamma = param_array(self.weight) if self.weight is not None else np.ones(self.channels)
+        beta = param_array(self.bias) if self.bias is not None else None
+        return self.op_cls.from_float(
+            gamma, beta, self.eps, self.input_format(in_fmt), self.out_fmt, rounding=self.rounding,
+            **self._op_options(),
+        )  # fmt: skip
+
+    def _op_options(self) -> dict[str, Any]:
+        return {}
+
+    # ---- forward
+
+    def forward(self, x: torch.Tensor | Any) -> Output:
+        """``golden(fmt).forward(x_int) * out_fmt.scale`` exactly; surrogate gradient.
+
+        The body runs inside :func:`qnorm.fixedpoint.proven_ranges`: ``op`` exists,
+        so its range analysis passed for every input of ``q.fmt``, and ``q.ints``
+        lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's integers are
+        checked against its declared width), so fixedpoint's per-call operand
+        checks (two reductions each, a device sync each on a GPU) are skipped.
+        """
+        self._check_dtype(x)
+        q = self.quantize_input(x)
+        op = self.golden(q.fmt)
+        params = tuple(p for p in (self.weight, self.bias) if p is not None)
+        with fp.proven_ranges():
+            ints = self.run_golden(op, q.ints)
+        return self.finish(q, ints, op.out_fmt, self._surrogate(), params)
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The unquantized float op on ``x`` with the float γ, β, ε (no rounding, no clip)."""
+        return self._float_op(x, self.weight, self.bias)
+
+    def _surrogate(self) -> Surrogate:
+        lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
+        has_w, has_b = self.weight is not None, self.bias is not None
+
+        def surrogate(xd: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+            w = params[0] if has_w else None
+            b = params[has_w] if has_b else None
+            return self._float_op(xd, w, b).clamp(lo, hi)
+
+        return surrogate
+
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+    def _check_dtype(self, x: torch.Tensor | Any) -> None:
+        """Refuse an input whose float dtype differs from γ's.
+
+        The forward would still be exact (it runs in the input's dtype), but the
+        surrogate would mix dtypes and the layer would train in a dtype its
+        parameters are not in; nn.LayerNorm refuses the mix as well.
+        """
+        value = x.value if is_quant_tensor(x) else x
+        w = self.weight  # None only without affine parameters: then any float dtype is fine
+        if (
+            w is not None
+            and isinstance(value, torch.Tensor)
+            and value.dtype.is_floating_point
+            and value.dtype != w.dtype
+        ):
+            raise ValueError(
+                f"input dtype {value.dtype} differs from {type(self).__name__}'s parameter dtype {w.dtype}; "
+                f"convert one of them (e.g. layer.to({value.dtype}))"
+            )
+
+    # ---- metadata
+
+    def _constants(self, op: NormOp) -> dict[str, Any]:
+        return {f.name: getattr(op.config, f.name) for f in fields(op.config) if f.name not in ("in_fmt", "out_fmt")}
+
+    def _config_metadata(self) -> dict[str, Any]:
+        return {
+            "eps": self.eps,
+            "elementwise_affine": self.elementwise_affine,
+            "bias": self.bias is not None,
+            "rounding": self.rounding.value,
+            **self._op_options(),
+        }
+
+    def extra_repr(self) -> str:
+        opts = "".join(f", {k}={v}" for k, v in self._op_options().items())
+        return (
+            f"{self.channels}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"out_fmt={self.out_fmt}, rounding={self.rounding.value}{opts}"
+        )
+
+
+class IntLayerNorm(_IntNorm):
+    """Integer LayerNorm (exact integer rsqrt) over the last axis; surrogate ``F.layer_norm``.
+
+    ``out_fmt``: the output format (default int8 covering ±4, the golden ops'
+    default).  ``in_fmt``: a fixed input format, or None to calibrate an
+    ``in_bits``-wide signed per-tensor scale in training (``momentum``: its moving
+    average).  ``rounding``: the tie rule of every rounding in the op (half up by
+    default).  Output: a float tensor, or an IntQuantTensor with
+    ``return_quant_tensor=True``.
+    """
+
+    op_cls = ops.IntLayerNorm
+
+
+class L1LayerNorm(_IntNorm):
+    """L1 LayerNorm (mean absolute deviation, one reciprocal per row); arguments as IntLayerNorm.
+
+    Surrogate: the true L1 norm ``γ (x − μ) / (sqrt(π/2) MAD + ε) + β``.
+    """
+
+    op_cls = ops.L1LayerNorm
+
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        dev = x - x.mean(dim=-1, keepdim=True)
+        y = dev / (SQRT_HALF_PI * dev.abs().mean(dim=-1, keepdim=True) + self.eps)
+        y = y * w if w is not None else y
+        return y + b if b is not None else y
+
+
+class ShiftLayerNorm(_IntNorm):
+    """Shift-based LayerNorm (1/σ and γ as powers of two); arguments as IntLayerNorm plus
+    ``mantissa_terms`` (1 or 2: terms of 1/sqrt of the variance's mantissa).
+
+    Surrogate: plain ``F.layer_norm`` — the straight-through estimator ignores the
+    power-of-two approximation of 1/σ and γ (module docstring).
+    """
+
+    op_cls = ops.ShiftLayerNorm
+
+    def __init__(self, normalized_shape: int | Sequence[int], *args: Any, mantissa_terms: int = 2, **kw: Any) -> None:
+        if mantissa_terms not in (1, 2):
+            raise ValueError(f"mantissa_terms must be 1 or 2, got {mantissa_terms!r}")
+        super().__init__(normalized_shape, *args, **kw)
+        self.mantissa_terms = mantissa_terms
+
+    def _op_options(self) -> dict[str, Any]:
+        return {"mantissa_terms": self.mantissa_terms}
+
+
+class IntRMSNorm(_IntNorm):
+    """Integer RMSNorm ``γ x / sqrt(mean(x²) + ε)`` over the last axis, or partial RMSNorm.
+
+    Mirrors ``nn.RMSNorm`` (no β; ``eps`` a number, default 1e-5, where torch's None
+    would depend on the dtype).  ``partial = p`` in (0, 1]: the mean square is taken
+    over the first ``prefix = ceil(p N)`` elements of each row and applied to all.
+    Other arguments as :class:`IntLayerNorm`.  Surrogate: ``F.rms_norm``, or the
+    partial RMS norm in torch.
+    """
+
+    op_cls = ops.IntRMSNorm
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        *,
+        partial: float = 1.0,
+        out_fmt: QFormat = DEFAULT_OUT,
+        in_fmt: QFormat | None = None,
+        in_bits: int = 8,
+        momentum: float = 0.1,
+        rounding: Round | str = DEFAULT_ROUND,
+        return_quant_tensor: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ValueError(f"partial must be a number in (0, 1], got {partial!r}")
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, False, out_fmt=out_fmt, in_fmt=in_fmt, in_bits=in_bits,
+            momentum=momentum, rounding=rounding, return_quant_tensor=return_quant_tensor, device=device,
+            dtype=dtype,
+        )  # fmt: skip
+        self.partial = float(partial)
+        # k = ceil(p N) from the float's exact value: RMSNormConfig.prefix's rule (tested equal);
+        # the float op needs it before any golden op exists (an uncalibrated layer).
+        self.prefix = math.ceil(Fraction(self.partial) * self.channels)
+
+    def _op_options(self) -> dict[str, Any]:
+        return {"partial": self.partial}
+
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        if self.prefix == self.channels:
+            return F.rms_norm(x, self.normalized_shape, w, self.eps)
+        ms = (x[..., : self.prefix] ** 2).mean(dim=-1, keepdim=True)
+        y = x / torch.sqrt(ms + self.eps)
+        return y * w if w is not None else y
+
+
+def one_term_shift_layernorm(normalized_shape: int) -> ShiftLayerNorm:
+    """ShiftLayerNorm with a one-term (pure power-of-two) 1/σ: the ``shift1`` training kind."""
+    return ShiftLayerNorm(normalized_shape, mantissa_terms=1)
+
+
+# Module-level ctors, so registering again (a re-import) passes the same objects,
+# which qnorm.train's registry accepts.
+TRAINING_KINDS: dict[str, Any] = {
+    "int_ln": IntLayerNorm,
+    "l1": L1LayerNorm,
+    "shift": ShiftLayerNorm,
+    "shift1": one_term_shift_layernorm,
+    "int_rms": IntRMSNorm,
+}
+
+
+def register_training_kinds() -> None:
+    """Register the layers as norm kinds of :func:`qnorm.train.models.norm_factory`.
+
+    Imports qnorm.train (and so brevitas) only when called, never on ``import qnorm.nn``.
+    """
+    from qnorm.nn.spiking import MPBNLIF
+    from qnorm.train.models import register_neuron, register_norm
+
+    for kind, ctor in TRAINING_KINDS.items():
+        register_norm(kind, ctor)
+    register_neuron("int_mpbn_lif", MPBNLIF)
