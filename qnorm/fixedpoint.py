@@ -19,8 +19,11 @@ Python operands; for symbolic operands the static range analysis
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Union
@@ -84,16 +87,49 @@ def _check_int(v: Any, name: str) -> None:
         raise ValueError(f"{name} must be an integer, got float {v!r}")
 
 
+# Set only inside :func:`proven_ranges`: array operands skip their range checks.
+_RANGES_PROVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("qnorm_ranges_proven", default=False)
+
+
+@contextlib.contextmanager
+def proven_ranges() -> Iterator[None]:
+    """Inside the block, numpy / torch array operands skip the run-time range checks.
+
+    Only for callers whose operands a static range analysis has already proven: a
+    qnorm op is constructed only after ``ranges().check()`` passed for every input
+    its format admits, so running its body on integers that are inside that format
+    (a QAT layer's own quantizer output, say) cannot leave the checked ranges.
+    There the checks prove nothing new but cost two reductions per call, and on a
+    GPU a device synchronization each.  Python-int and scalar operands are still
+    checked, and so are dtypes.  A context variable: it covers the current thread /
+    task only and is restored on exit, also when the block raises.  Golden numpy
+    ``forward`` calls never set it, so they keep validating their input.
+    """
+    token = _RANGES_PROVEN.set(True)
+    try:
+        yield
+    finally:
+        _RANGES_PROVEN.reset(token)
+
+
+def ranges_proven() -> bool:
+    """Whether the current context is inside :func:`proven_ranges`."""
+    return _RANGES_PROVEN.get()
+
+
 def _check_range(v: Any, lo: int, hi: int | None, what: str, int64_guard: bool = False) -> None:
     """Raise if a concrete operand leaves [lo, hi] (hi None: no upper bound).
 
     Symbolic operands pass (the range analysis proved them).  ``int64_guard``
     marks limits that exist only to keep int64 from wrapping: exact Python ints
-    (the analysis' own interval arithmetic) are exempt from those.
+    (the analysis' own interval arithmetic) are exempt from those.  Array operands
+    pass inside :func:`proven_ranges`.
     """
     if not _is_concrete(v) or (int64_guard and isinstance(v, int)):
         return
     if isinstance(v, np.ndarray) or _is_torch(v):
+        if _RANGES_PROVEN.get():
+            return
         if v.numel() == 0 if _is_torch(v) else v.size == 0:
             return
         vmin, vmax = int(v.min()), int(v.max())
@@ -357,27 +393,37 @@ def dyadic_vector(xs: np.ndarray, mult_bits: int = 16, max_shift: int = 62) -> t
     return round_float(np.ldexp(xs, s)).astype(np.int64), s
 
 
-def round_float(t: np.ndarray, mode: Round | str = DEFAULT_ROUND) -> np.ndarray:
+def round_float(t: Any, mode: Round | str = DEFAULT_ROUND) -> Any:
     """Round float64 values to integers (as float64) by ``mode``, exactly.
 
     The float -> int boundary (quantizers, constant derivation): ``t - floor(t)``
     is exact for |t| < 2**52, so ties are recognised exactly, unlike
     ``floor(t + 0.5)`` which rounds 0.49999999999999994 up.
+
+    Backend-neutral: a numpy array (or scalar) rounds with numpy, a torch tensor
+    with its own ``floor``/``ceil``/``trunc`` on its own device, so both give the
+    identical integers (the same IEEE operations on the same float64 values).
     """
     mode = Round.parse(mode)
-    fl = np.floor(t)
-    frac = t - fl
+    torch_like = _is_torch(t)
+    floor, ceil, trunc = (type(t).floor, type(t).ceil, type(t).trunc) if torch_like else (np.floor, np.ceil, np.trunc)
+    if mode is Round.CEIL:
+        return ceil(t)
+    if mode is Round.TRUNC:
+        return trunc(t)
+    fl = floor(t)
     if mode is Round.FLOOR:
         return fl
-    if mode is Round.CEIL:
-        return np.ceil(t)
-    if mode is Round.TRUNC:
-        return np.trunc(t)
+    frac = t - fl  # exact below 2**52: the tie 1/2 is recognised exactly
+
+    def step(cond: Any) -> Any:  # 0/1 to add to fl: a torch bool needs t's dtype, numpy adds bools
+        return cond.to(t.dtype) if torch_like else cond
+
     if mode is Round.HALF_UP:
-        return fl + (frac >= 0.5)
+        return fl + step(frac >= 0.5)
     if mode is Round.HALF_AWAY:
-        return np.where(t >= 0, fl + (frac >= 0.5), fl + (frac > 0.5))
-    return np.where(frac == 0.5, fl + (fl % 2), fl + (frac > 0.5))
+        return select(t >= 0, fl + step(frac >= 0.5), fl + step(frac > 0.5))
+    return select(frac == 0.5, fl + (fl % 2), fl + step(frac > 0.5))
 
 
 def round_fraction(q: Fraction) -> int:

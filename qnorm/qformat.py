@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from qnorm.fixedpoint import DEFAULT_ROUND, Round, int_range, round_float
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _torch() -> Any:
+    import torch  # only reached with a torch operand: torch stays an optional dependency
+
+    return torch
+
+
+def _clip(t: Any, lo: float, hi: float) -> Any:
+    return t.clamp(lo, hi) if _is_torch(t) else np.clip(t, lo, hi)
 
 
 @dataclass(frozen=True)
@@ -41,24 +56,44 @@ class QFormat:
     def is_power_of_two(self) -> bool:
         return math.frexp(self.scale)[0] == 0.5
 
-    def quantize(self, x: np.ndarray, mode: Round | str = DEFAULT_ROUND) -> np.ndarray:
+    def quantize(self, x: Any, mode: Round | str = DEFAULT_ROUND) -> Any:
         """Round ``x / scale`` by ``mode`` and saturate; NaN/Inf are refused.
 
         ``x / scale`` is one correctly rounded float64 division; the rounding of
         that value is then exact (``t - floor(t)`` is exact below 2**52), so no
         ``floor(t + 0.5)`` double-rounding error at ties.
+
+        Backend-neutral: a torch tensor is quantized with torch operations on its
+        own device (int64 tensor out), anything else with numpy (int64 array out);
+        the steps and the float64 values are the same, so are the integers.
         """
-        x = np.asarray(x)
-        if x.dtype.kind not in "fiu":
-            raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued array")
-        t = x.astype(np.float64) / self.scale
-        bad = ~np.isfinite(t)
-        if bad.any():
-            raise ValueError(
-                f"cannot quantize {int(bad.sum())} non-finite value(s) (NaN/Inf, or overflow of x/scale)"
-            )
-        t = np.clip(t, self.lo - 1.0, self.hi + 1.0)  # saturates anyway; keeps floor exact
-        return np.clip(round_float(t, mode), self.lo, self.hi).astype(np.int64)
+        t = self.scaled(x)
+        t = _clip(t, self.lo - 1.0, self.hi + 1.0)  # saturates anyway; keeps floor exact
+        q = _clip(round_float(t, mode), self.lo, self.hi)
+        return q.to(_torch().int64) if _is_torch(q) else q.astype(np.int64)
+
+    def scaled(self, x: Any) -> Any:
+        """``x / scale`` in float64 (torch stays torch), NaN/Inf refused: what :meth:`quantize` rounds."""
+        if _is_torch(x):
+            torch = _torch()
+            if x.dtype.is_complex or x.dtype == torch.bool:
+                raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued tensor")
+            t = x.detach().to(torch.float64) / self.scale
+            bad = int((~torch.isfinite(t)).sum())
+        else:
+            x = np.asarray(x)
+            if x.dtype.kind not in "fiu":
+                raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued array")
+            t = x.astype(np.float64) / self.scale
+            bad = int((~np.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"cannot quantize {bad} non-finite value(s) (NaN/Inf, or overflow of x/scale)")
+        return t
+
+    def in_range(self, x: Any) -> Any:
+        """Where ``x / scale`` lies in [lo, hi], i.e. :meth:`quantize` does not saturate (the STE mask)."""
+        t = self.scaled(x)
+        return (t >= self.lo) & (t <= self.hi)
 
     def dequantize(self, q: np.ndarray) -> np.ndarray:
         return np.asarray(q, dtype=np.float64) * self.scale

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qnorm import fixedpoint as fp
 from qnorm.analysis import OverflowRiskError
 from qnorm.fixedpoint import Round
-from qnorm.ops.bnfold import RationalBN, level_event
+from qnorm.ops.bnfold import MAX_GAMMA_SHIFT, RationalBN, level_event
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold, measure_error
 from qnorm.qformat import QFormat
 
@@ -252,3 +253,122 @@ def test_bad_inputs():
         BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0), "stochastic")
     with pytest.raises(ValueError, match="std_q"):
         make_bn([(1, 0, 0, 0)], 0, 0, 0)
+
+
+# --------------------------------------------------------------------------- RationalBN.from_float vs Fraction
+
+
+def fraction_rational_bn(gamma, beta, mean, var, eps, in_scale, out_scale, gamma_bits=16, frac_bits=8, out_frac_bits=8):
+    """Independent reference for RationalBN.from_float: the definition in ``Fraction``s,
+    rounded half up with ``fixedpoint.round_fraction``, D with ``fixedpoint.isqrt_round``
+    (the digit-by-digit root), one channel at a time.  Slow (~0.2 ms per channel)."""
+    if not 0 <= frac_bits <= 30 or not 0 <= out_frac_bits <= 30:
+        raise ValueError("frac_bits and out_frac_bits must be in [0, 30]")
+    s_in, s_out = Fraction(in_scale), Fraction(out_scale)
+    g, shift = fp.dyadic_vector(gamma / float(out_scale), gamma_bits, MAX_GAMMA_SHIFT)
+
+    def fixed(name: str, value: Fraction, bits: int) -> int:
+        q = fp.round_fraction(value * (1 << bits))
+        if abs(q) >= 1 << 62:
+            raise ValueError(f"{name} = {float(value)!r} does not fit 62 bits at {bits} fraction bits")
+        return q
+
+    def std(var_eps: Fraction) -> int:
+        v = fp.round_fraction(var_eps / (s_in * s_in) * (1 << (2 * frac_bits)))
+        if v > 1 << 62:
+            raise ValueError(f"var + eps = {float(var_eps)!r} is too large for frac_bits={frac_bits}")
+        d = int(fp.isqrt_round(v))
+        if d < 1:
+            raise ValueError(
+                f"var + eps = {float(var_eps)!r} rounds to a zero standard deviation at "
+                f"frac_bits={frac_bits}; raise frac_bits or eps"
+            )
+        return d
+
+    m = [fixed("mean / in_scale", Fraction(float(v)) / s_in, frac_bits) for v in mean.ravel()]
+    b = [fixed("beta / out_scale", Fraction(float(v)) / s_out, out_frac_bits) for v in beta.ravel()]
+    d = [std(Fraction(float(v)) + Fraction(float(e))) for v, e in zip(var.ravel(), eps.ravel())]
+    shape = gamma.shape
+    return RationalBN(
+        np.asarray(g, dtype=np.int64).reshape(shape), shift, np.array(m, dtype=np.int64).reshape(shape),
+        np.array(d, dtype=np.int64).reshape(shape), frac_bits, np.array(b, dtype=np.int64).reshape(shape),
+        out_frac_bits,
+    )  # fmt: skip
+
+
+def fields(bn: RationalBN) -> tuple:
+    arrays = (bn.gamma_m, bn.mean_q, bn.std_q, bn.beta_q)
+    return tuple(a.tolist() for a in arrays) + (bn.gamma_shift, bn.frac_bits, bn.out_frac_bits)
+
+
+def outcome(derive, *args):
+    try:
+        return fields(derive(*args))
+    except ValueError as err:
+        return ("error", str(err))
+
+
+@st.composite
+def bn_case(draw):
+    c = draw(st.integers(1, 5))
+    f, fo = draw(st.integers(0, 16)), draw(st.integers(0, 16))
+    pow2 = draw(st.booleans())
+    s_in = 2.0 ** draw(st.integers(-8, 3)) if pow2 else draw(st.floats(1e-3, 8.0))
+    s_out = 2.0 ** draw(st.integers(-8, 3)) if pow2 else draw(st.floats(1e-3, 8.0))
+    big = draw(st.sampled_from([10.0, 1e4, 1e4, 1e16]))  # 1e16: constants beyond 62 bits (the error path)
+    reals = st.floats(-big, big, allow_nan=False)
+
+    def tie(scale: float, frac: int) -> float:  # exactly k + 1/2 units of 2^-frac (power-of-two scale)
+        return (draw(st.integers(-300, 300)) + 0.5) * scale / 2.0**frac
+
+    special = st.sampled_from([0.0, 1e-12, -1.5])  # zero, vanishing (rounds to 0), negative
+    gamma = [draw(special) if draw(st.booleans()) else draw(st.floats(-4, 4)) for _ in range(c)]
+    mean = [tie(s_in, f) if draw(st.booleans()) else draw(reals) for _ in range(c)]
+    beta = [tie(s_out, fo) if draw(st.booleans()) else draw(reals) for _ in range(c)]
+    var = [abs(tie(s_in * s_in, 2 * f)) if draw(st.booleans()) else draw(st.floats(0, big)) for _ in range(c)]
+    eps = [draw(st.sampled_from([0.0, 1e-5, 1e-3, 0.1])) for _ in range(c)]
+    arrays = [np.array(v, dtype=np.float64) for v in (gamma, beta, mean, var, eps)]
+    return (*arrays, s_in, s_out, draw(st.integers(3, 24)), f, fo)
+
+
+@given(bn_case())
+@settings(max_examples=400, deadline=None)
+def test_rational_bn_from_float_equals_fraction_derivation(case):
+    """Same integers, or the same error message, as the Fraction definition."""
+    assert outcome(RationalBN.from_float, *case) == outcome(fraction_rational_bn, *case)
+
+
+def test_rational_bn_from_float_ties_and_errors():
+    """Half-up ties in every constant (both signs), and every refusal with its message."""
+    s = 0.5  # F = 2: units of 1/8 of the input scale
+    mean = np.array([2.5, -2.5, 0.0]) * s / 4  # M = 2.5 -> 3, -2.5 -> -2
+    beta = np.array([0.5, -0.5, 1.5]) / 256  # B at Fo = 8: 0.5 -> 1, -0.5 -> 0, 1.5 -> 2
+    var = np.array([6.5, 0.5, 2.5]) * s * s / 16  # v = 6.5 -> 7, 0.5 -> 1, 2.5 -> 3
+    args = (np.ones(3), beta, mean, var, np.zeros(3), s, 1.0, 16, 2, 8)
+    got = RationalBN.from_float(*args)
+    assert fields(got) == fields(fraction_rational_bn(*args))
+    assert got.mean_q.tolist() == [3, -2, 0] and got.beta_q.tolist() == [1, 0, 2]
+    assert got.std_q.tolist() == [3, 1, 2]  # isqrt_round(7, 1, 3)
+    one, zero = np.ones(1), np.zeros(1)
+    bad = [
+        ((one, zero, zero, zero, zero, 1.0, 1.0, 16, 8, 8), "zero standard deviation"),
+        ((one, zero, np.array([1e16]), one, zero, 1.0, 1.0, 16, 16, 8), r"mean / in_scale = 1e\+16 does not fit"),
+        ((one, np.array([-1e16]), zero, one, zero, 1.0, 1.0, 16, 8, 16), r"beta / out_scale = -1e\+16"),
+        ((one, zero, zero, np.array([1e16]), zero, 1.0, 1.0, 16, 16, 8), "too large"),
+        ((one, zero, zero, one, zero, 1.0, 1.0, 16, 31, 8), "frac_bits"),
+    ]
+    for case, match in bad:
+        with pytest.raises(ValueError, match=match):
+            RationalBN.from_float(*case)
+        assert outcome(RationalBN.from_float, *case) == outcome(fraction_rational_bn, *case)
+    with pytest.raises(ValueError, match="shapes differ"):
+        RationalBN.from_float(np.ones(2), *args[1:])
+
+
+def test_rational_bn_from_float_per_neuron_shape():
+    rng = np.random.default_rng(5)
+    shape = (3, 4)
+    args = (rng.normal(0, 1, shape), rng.normal(0, 1, shape), rng.normal(0, 1, shape),
+            rng.uniform(0.1, 2, shape), np.full(shape, 1e-5), 0.05, 0.25)  # fmt: skip
+    got = RationalBN.from_float(*args)
+    assert got.shape == shape and fields(got) == fields(fraction_rational_bn(*args))

@@ -1,5 +1,6 @@
-"""Shared QAT machinery: quantizer == QFormat.quantize, fast BN derivation == Fraction one,
-exact batch statistics, the exact-forward/surrogate-backward Function, QuantTensor I/O."""
+"""Shared QAT machinery: the quantizer is QFormat.quantize on torch (== numpy), exact batch
+statistics, the exact-forward/surrogate-backward Function, QuantTensor I/O.
+(The RationalBN derivation the BN layers use is tested in test_multithreshold.py.)"""
 
 import copy
 import json
@@ -12,8 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qnorm.nn import MPBNLIF, BNQuantAct, InputQuantizer
-from qnorm.nn._qat import QuantizedInput, batch_stats, exact_forward, quantize_float, rational_bn, to_output
-from qnorm.ops.bnfold import RationalBN
+from qnorm.nn._qat import (
+    QuantizedInput,
+    batch_stats,
+    exact_forward,
+    quantize_float,
+    to_output,
+)
 from qnorm.qformat import QFormat
 
 # --------------------------------------------------------------------------- float -> int boundary
@@ -41,6 +47,7 @@ def test_quantizer_equals_qformat_quantize(case, dtype):
     ints, inside = quantize_float(t, fmt)
     want = fmt.quantize(t.numpy())  # the numpy spec on the very same float values
     assert ints.dtype == torch.int64 and np.array_equal(ints.numpy(), want)
+    assert torch.equal(fmt.quantize(t), ints)  # the layer's quantizer is QFormat.quantize itself
     t64 = t.double().numpy() / fmt.scale
     assert np.array_equal(inside.numpy(), (t64 >= fmt.lo) & (t64 <= fmt.hi))
 
@@ -82,66 +89,6 @@ def test_state_dict_carries_the_calibration():
     a.eval(), b.eval()
     x = torch.randn(5, 3)
     assert b.input_quant.fmt == a.input_quant.fmt and torch.equal(a(x), b(x))
-
-
-# --------------------------------------------------------------------------- fast RationalBN derivation
-
-
-def fields(bn: RationalBN) -> tuple:
-    arrays = (bn.gamma_m, bn.mean_q, bn.std_q, bn.beta_q)
-    return tuple(a.tolist() for a in arrays) + (bn.gamma_shift, bn.frac_bits, bn.out_frac_bits)
-
-
-def outcome(derive, *args):
-    try:
-        return fields(derive(*args))
-    except ValueError as err:
-        return ("error", str(err))
-
-
-@st.composite
-def bn_case(draw):
-    c = draw(st.integers(1, 5))
-    f, fo = draw(st.integers(0, 16)), draw(st.integers(0, 16))
-    pow2 = draw(st.booleans())
-    s_in = 2.0 ** draw(st.integers(-8, 3)) if pow2 else draw(st.floats(1e-3, 8.0))
-    s_out = 2.0 ** draw(st.integers(-8, 3)) if pow2 else draw(st.floats(1e-3, 8.0))
-    big = draw(st.sampled_from([10.0, 1e4, 1e4, 1e16]))  # 1e16: constants beyond 62 bits (the error path)
-    reals = st.floats(-big, big, allow_nan=False)
-
-    def tie(scale: float, frac: int) -> float:  # exactly k + 1/2 units of 2^-frac (power-of-two scale)
-        return (draw(st.integers(-300, 300)) + 0.5) * scale / 2.0**frac
-
-    special = st.sampled_from([0.0, 1e-12, -1.5])  # zero, vanishing (rounds to 0), negative
-    gamma = [draw(special) if draw(st.booleans()) else draw(st.floats(-4, 4)) for _ in range(c)]
-    mean = [tie(s_in, f) if draw(st.booleans()) else draw(reals) for _ in range(c)]
-    beta = [tie(s_out, fo) if draw(st.booleans()) else draw(reals) for _ in range(c)]
-    var = [abs(tie(s_in * s_in, 2 * f)) if draw(st.booleans()) else draw(st.floats(0, big)) for _ in range(c)]
-    eps = [draw(st.sampled_from([0.0, 1e-5, 1e-3, 0.1])) for _ in range(c)]
-    arrays = [np.array(v, dtype=np.float64) for v in (gamma, beta, mean, var, eps)]
-    return (*arrays, s_in, s_out, draw(st.integers(3, 24)), f, fo)
-
-
-@given(bn_case())
-@settings(max_examples=400, deadline=None)
-def test_fast_rational_bn_equals_fraction_derivation(case):
-    assert outcome(rational_bn, *case) == outcome(RationalBN.from_float, *case)
-
-
-def test_fast_rational_bn_ties_and_errors():
-    """Half-up ties in every constant (both signs), and the reference's own errors."""
-    s = 0.5  # F = 2: units of 1/8 of the input scale
-    mean = np.array([2.5, -2.5, 0.0]) * s / 4  # M = 2.5 -> 3, -2.5 -> -2
-    beta = np.array([0.5, -0.5, 1.5]) / 256  # B at Fo = 8: 0.5 -> 1, -0.5 -> 0, 1.5 -> 2
-    var = np.array([6.5, 0.5, 2.5]) * s * s / 16  # v = 6.5 -> 7, 0.5 -> 1, 2.5 -> 3
-    args = (np.ones(3), beta, mean, var, np.zeros(3), s, 1.0, 16, 2, 8)
-    fast, ref = rational_bn(*args), RationalBN.from_float(*args)
-    assert fields(fast) == fields(ref)
-    assert fast.mean_q.tolist() == [3, -2, 0] and fast.beta_q.tolist() == [1, 0, 2]
-    assert fast.std_q.tolist() == [3, 1, 2]  # isqrt_round(7, 1, 3)
-    zero = (np.ones(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), 1.0, 1.0, 16, 8, 8)
-    with pytest.raises(ValueError, match="zero standard deviation"):
-        rational_bn(*zero)
 
 
 # --------------------------------------------------------------------------- batch statistics

@@ -14,7 +14,6 @@ from qnorm.analysis import OverflowRiskError
 from qnorm.fixedpoint import Dyadic
 from qnorm.nn import MPBNLIF, FoldedMPBNLIF
 from qnorm.nn._qat import batch_stats
-from qnorm.nn.spiking import _charge, _reset
 from qnorm.ops.bnfold import RationalBN
 from qnorm.ops.spiking import LIFConfig, MPBNNeuron
 from qnorm.qformat import QFormat
@@ -158,17 +157,16 @@ def test_single_training_step_is_the_golden_op_of_its_batch():
 
 
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
-def test_step_adapter_equals_the_golden_body(cfg):
-    """_charge/_reset around op._fires, for a fixed neuron, == op._forward (the training loop's parts)."""
+def test_training_step_calls_equal_the_golden_body(cfg):
+    """The calls the training loop makes (cfg.charge, op.fires, op.reset), for a fixed neuron, == op._forward."""
     layer = make_layer(cfg, 8).eval()
     op = layer.golden()
     u = torch.from_numpy(np.moveaxis(FMT.quantize(currents((9, 4, C), 9).numpy()), 2, -1))
     state, spikes, pres, posts = None, [], [], []
     for t in range(u.shape[0]):
-        prev = u[t] * 0 + op.cfg.u_rest if state is None else state
-        pre = _charge(op.cfg, prev, u[t])
-        fire = op._fires(pre)
-        state = _reset(op.cfg, op, pre, fire)
+        pre = op.cfg.charge(op.cfg.rest_like(u[t]) if state is None else state, u[t])
+        fire = op.fires(pre)
+        state = op.reset(pre, fire)
         spikes.append(fire.long()), pres.append(pre), posts.append(state)
     trace = {}
     assert torch.equal(torch.stack(spikes), op._forward(u, trace))

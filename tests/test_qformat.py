@@ -60,3 +60,54 @@ def test_format_validation():
     assert QFormat.power_of_two(8, -5).is_power_of_two
     assert not QFormat(8, 0.3).is_power_of_two
     assert (QFormat(8, signed=False).lo, QFormat(8, signed=False).hi) == (0, 255)
+
+
+TIES = [0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999999999999994, -0.49999999999999994, 0.5000000000000001,
+        -0.0, 0.0, 0.7, -1.3, 126.5, -128.5, 2.0**51 + 0.5, -(2.0**51) - 0.5, 1e300, -1e300]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", list(Round))
+def test_round_float_numpy_and_torch_identical(mode):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    t = np.concatenate([np.array(TIES), rng.normal(0, 100, 2000), np.round(rng.normal(0, 50, 500)) + 0.5])
+    want = round_float(t, mode)
+    got = round_float(torch.from_numpy(t), mode)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64
+    assert np.array_equal(got.numpy(), want)
+    assert round_float(2.5, mode) == want[4]  # a Python float rounds by the same rule
+
+
+@pytest.mark.parametrize("mode", list(Round))
+@pytest.mark.parametrize("fmt", [QFormat(8, 0.5), QFormat(4, 0.25, signed=False), QFormat(16, 0.1)], ids=str)
+def test_quantize_numpy_and_torch_identical(fmt, mode):
+    """The one quantizer on both backends: the same integers, ties and saturation included."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    k = np.arange(fmt.lo - 3, fmt.hi + 4, dtype=np.float64)
+    x = np.concatenate([(k + 0.5) * fmt.scale, (k - 0.5) * fmt.scale, k * fmt.scale,
+                        rng.normal(0, fmt.hi * fmt.scale, 3000)])  # fmt: skip
+    want = fmt.quantize(x, mode)
+    for dtype in (torch.float64, torch.float32):
+        t = torch.from_numpy(x).to(dtype)
+        got = fmt.quantize(t, mode)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
+        assert np.array_equal(got.numpy(), fmt.quantize(t.numpy(), mode))
+    assert np.array_equal(fmt.quantize(torch.from_numpy(x), mode).numpy(), want)
+    ints = torch.arange(fmt.lo - 2, fmt.hi + 3)  # integer tensors quantize too (as numpy integer arrays do)
+    assert np.array_equal(fmt.quantize(ints).numpy(), fmt.quantize(ints.numpy()))
+    assert np.array_equal(fmt.in_range(torch.from_numpy(x)).numpy(), fmt.in_range(x))
+
+
+def test_quantize_torch_refusals():
+    torch = pytest.importorskip("torch")
+    fmt = QFormat()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="1 non-finite"):
+            fmt.quantize(torch.tensor([1.0, bad]))
+    with pytest.raises(ValueError, match="non-finite"):
+        QFormat(8, 1e-300).quantize(torch.tensor([1e300], dtype=torch.float64))  # x / scale overflows
+    with pytest.raises(ValueError, match="real-valued"):
+        fmt.quantize(torch.tensor([True]))
+    with pytest.raises(ValueError, match="real-valued"):
+        fmt.quantize(torch.tensor([1j]))

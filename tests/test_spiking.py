@@ -7,10 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qnorm import fixedpoint as fp
 from qnorm.analysis import OverflowRiskError
 from qnorm.fixedpoint import Dyadic
 from qnorm.ops.bnfold import RationalBN
-from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, MPBNParams, spike_agreement
+from qnorm.ops.spiking import (
+    MAX_STEPS,
+    FoldedLIFNeuron,
+    LIFConfig,
+    MPBNNeuron,
+    MPBNParams,
+    quantize_threshold,
+    spike_agreement,
+)
 from qnorm.qformat import QFormat
 
 # --------------------------------------------------------------------------- independent references
@@ -314,7 +323,77 @@ def test_same_body_on_torch_int64():
             got = op._forward(torch.from_numpy(x), tr_t)  # the body a QAT layer runs
             assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
             assert np.array_equal(got.numpy(), want)
-            assert np.array_equal(tr_t["membrane"], tr_np["membrane"])
+            for name, value in tr_np.items():  # a torch body's trace stays torch (CUDA-safe)
+                assert isinstance(tr_t[name], torch.Tensor), name
+                assert np.array_equal(tr_t[name].numpy(), value), name
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("reset", ["hard", "soft"])
+def test_public_step_is_the_body_on_numpy_and_torch(reset, saturate):
+    """charge / fires / reset, looped by hand, == _forward (spikes and both traces), per backend."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    c = 5
+    cfg = LIFConfig(QFormat(8, 0.05), membrane_bits=10 if saturate else 16, leak=Dyadic(7, 3), reset=reset,
+                    u_rest=2, saturate=saturate, max_steps=64)  # fmt: skip
+    gamma = rng.normal(0, 1, c)
+    gamma[0] = 0.0
+    n = MPBNNeuron.from_float(gamma, rng.normal(0, 0.3, c), rng.normal(0, 1, c), rng.uniform(0.2, 2, c), 1e-5, 0.5, cfg)
+    x = rng.integers(-128, 128, (30, 4, c))
+    for op in (n, n.fold()):
+        want_trace = {}
+        want = op(x, want_trace)
+        for xs in (x, torch.from_numpy(x)):
+            state, spikes, pres, posts = None, [], [], []
+            for t in range(xs.shape[0]):
+                pre = op.charge(cfg.rest_like(xs[t]) if state is None else state, xs[t])
+                fire = op.fires(pre)
+                state = op.reset(pre, fire)
+                spikes.append(fp.select(fire, 1, 0)), pres.append(pre), posts.append(state)
+            stack = torch.stack if isinstance(xs, torch.Tensor) else np.stack
+            assert np.array_equal(np.asarray(stack(spikes)), want)
+            assert np.array_equal(np.asarray(stack(pres)), want_trace["membrane"])
+            assert np.array_equal(np.asarray(stack(posts)), want_trace["membrane_reset"])
+            assert op.charge(xs[0], xs[0]).dtype == xs.dtype  # the operand's own backend
+
+
+def test_from_rational_is_from_float_of_the_same_integers():
+    cfg = LIFConfig(QFormat(8, 0.05), membrane_bits=12, reset="soft", max_steps=8)
+    args = ([0.5, -0.5, 0.0], 0.25, 3.0, 4.0, 1e-5, [1.25, 0.7, 1.3])
+    ref = MPBNNeuron.from_float(*args, cfg)
+    bn, vq = ref.params.bn, ref.params.v_th_q
+    for with_reference in (False, True):
+        fbn = ref.reference.bn if with_reference else None
+        v_th = ref.reference.v_th if with_reference else None
+        for cls in (MPBNNeuron, FoldedLIFNeuron):
+            op = cls.from_rational(cfg, bn, vq, reference=fbn, v_th=v_th)
+            assert isinstance(op, cls)
+            assert np.array_equal(op.params.reset_sub, ref.params.reset_sub)  # the default soft-reset R
+            assert np.array_equal(op.event.theta, ref.event.theta)
+            if with_reference:
+                assert np.array_equal(op.reference.reset_sub, ref.reference.reset_sub)
+                assert np.array_equal(op.reference.v_th, ref.reference.v_th)
+    custom = MPBNNeuron.from_rational(cfg, bn, vq, reset_sub=3)
+    assert custom.params.reset_sub.tolist() == [3, 3, 3]
+    assert np.array_equal(quantize_threshold(np.array([1.25, 0.7, 1.3]), bn.out_frac_bits), vq)
+    with pytest.raises(ValueError, match="v_th_q must be integers"):
+        MPBNNeuron.from_rational(cfg, bn, np.array([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="v_th_q shape"):
+        MPBNNeuron.from_rational(cfg, bn, np.array([1, 2], dtype=np.int64))
+
+
+def test_saturating_bounds_are_the_membrane_width_without_iteration(monkeypatch):
+    """With saturation the analysis is the width itself (no step loop: a cheap per-step neuron)."""
+    from qnorm.ops import spiking
+
+    cfg = LIFConfig(QFormat(8, 1.0), membrane_bits=10, leak=Dyadic(1, 1), saturate=True, max_steps=MAX_STEPS)
+    monkeypatch.setattr(spiking, "_leak", lambda *a: pytest.fail("saturating bounds must not iterate"))
+    n = MPBNNeuron.from_float([1.0, -1.0], 0.0, 0.0, 1.0, 0.0, 0.5, cfg)
+    b = n.bounds
+    assert b.steps is None
+    for lo, hi in ((b.pre_lo, b.pre_hi), (b.post_lo, b.post_hi)):
+        assert lo.tolist() == [-512, -512] and hi.tolist() == [511, 511]
 
 
 def test_float_agreement_is_measured():

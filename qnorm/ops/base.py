@@ -14,9 +14,13 @@ Trace = dict[str, np.ndarray]
 
 
 def record(trace: Trace | None, name: str, value: np.ndarray) -> np.ndarray:
-    """Store an intermediate when the caller asked for a trace (range tests do)."""
+    """Store an intermediate when the caller asked for a trace (range tests do).
+
+    A torch tensor is stored as it is (on its device: ``np.asarray`` would fail on
+    CUDA and synchronize), anything else as a numpy array.
+    """
     if trace is not None:
-        trace[name] = np.asarray(value)
+        trace[name] = value if type(value).__module__.startswith("torch") else np.asarray(value)
     return value
 
 

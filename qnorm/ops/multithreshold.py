@@ -100,8 +100,16 @@ class _BNActBase(IntOp):
             p["gamma"], p["beta"], p["mean"], p["var"], p["eps"],
             cfg.in_fmt.scale, cfg.out_fmt.scale, gamma_bits, frac_bits, out_frac_bits,
         )
-        ref = FloatBN(p["gamma"], p["beta"], p["mean"], p["var"], p["eps"])
-        return cls(cfg, bn, ref)
+        return cls.from_rational(cfg, bn, FloatBN(p["gamma"], p["beta"], p["mean"], p["var"], p["eps"]))
+
+    @classmethod
+    def from_rational(cls, cfg: BNActConfig, bn: RationalBN, reference: FloatBN | None = None) -> "_BNActBase":
+        """The op of an already quantized BN (output units of ``cfg.out_fmt``).
+
+        ``reference``: the original float BN the float reference uses; None: the
+        quantized parameters themselves (:meth:`RationalBN.as_float`).
+        """
+        return cls(cfg, bn, reference)
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         p = self.bn.shape

@@ -41,6 +41,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,15 @@ from qnorm.analysis import Interval, OverflowRiskError, RangeReport
 from qnorm.fixedpoint import Dyadic, int_range
 from qnorm.ops._xp import const_like
 from qnorm.ops.base import IntOp, Trace, record
-from qnorm.ops.bnfold import FloatBN, FoldedEvent, RationalBN, check_bn_stats, real_params, to_fixed
+from qnorm.ops.bnfold import (
+    FloatBN,
+    FoldedEvent,
+    RationalBN,
+    check_bn_stats,
+    fixed_ratio,
+    real_params,
+    to_fixed,
+)
 from qnorm.qformat import QFormat
 
 RESETS = ("hard", "soft")
@@ -95,6 +104,21 @@ class LIFConfig:
     @property
     def membrane_range(self) -> tuple[int, int]:
         return int_range(self.membrane_bits)
+
+    # The neuron-independent part of one step (operators and fixedpoint only, so it
+    # runs on numpy, torch and TIR operands); the neurons' ``charge`` is this.
+
+    def rest_like(self, cur: Any) -> Any:
+        """``post_0 = u_rest`` shaped (and placed) like one step's current."""
+        return cur * 0 + self.u_rest
+
+    def clamp(self, u: Any) -> Any:
+        """Saturate to the membrane width if ``saturate``, else unchanged."""
+        return fp.saturate(u, self.membrane_bits) if self.saturate else u
+
+    def charge(self, prev: Any, cur: Any) -> Any:
+        """``pre = clamp(leak(prev) + cur)``: the membrane before firing."""
+        return self.clamp(_leak(self, prev) + cur)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,9 +168,15 @@ def membrane_bounds(cfg: LIFConfig, event: FoldedEvent, reset_sub: np.ndarray, o
     set exactly for u in the membrane width), reset the firing part, take the hull.
     If post repeats, every later step repeats: the bounds hold for every T.  Without
     saturation a bound leaving the membrane width is refused, naming the intermediate.
+    With saturation pre and post are clamped into the width every step, so the bound
+    is the width itself, for every T: no iteration (the QAT layers build a neuron
+    every training step; this keeps that construction cheap).
     """
     lo_w, hi_w = cfg.membrane_range
     th, neg = event.theta, event.negative
+    if cfg.saturate:  # every pre and post is clamped into the width: that is the bound, for every T
+        full = [np.full(th.shape, v, dtype=np.int64) for v in (lo_w, hi_w, lo_w, hi_w)]
+        return MembraneBounds(*full, steps=None)
     fire_lo, fire_hi = np.where(neg, -_BIG, th), np.where(neg, th, _BIG)
     calm_lo, calm_hi = np.where(neg, th + 1, -_BIG), np.where(neg, _BIG, th - 1)
     post_lo = np.full(th.shape, cfg.u_rest, dtype=np.int64)
@@ -168,9 +198,6 @@ def membrane_bounds(cfg: LIFConfig, event: FoldedEvent, reset_sub: np.ndarray, o
         if np.array_equal(new_lo, post_lo) and np.array_equal(new_hi, post_hi):
             return MembraneBounds(*hull, steps=None)
         post_lo, post_hi = new_lo, new_hi
-    if cfg.saturate:  # not converged, but saturation keeps every step inside the width
-        full = [np.full(th.shape, v, dtype=np.int64) for v in (lo_w, hi_w, lo_w, hi_w)]
-        return MembraneBounds(*full, steps=None)
     return MembraneBounds(*hull, steps=cfg.max_steps)
 
 
@@ -181,10 +208,8 @@ def _leak(cfg: LIFConfig, u: np.ndarray) -> np.ndarray:
 def _fit(
     cfg: LIFConfig, op: str, name: str, lo: np.ndarray, hi: np.ndarray, step: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Clamp a bound to the membrane (saturating) or refuse it if it leaves the width."""
+    """Refuse a bound of the (non-saturating) membrane that leaves the width."""
     lo_w, hi_w = cfg.membrane_range
-    if cfg.saturate:
-        return np.clip(lo, lo_w, hi_w), np.clip(hi, lo_w, hi_w)
     if lo.min() < lo_w or hi.max() > hi_w:
         raise OverflowRiskError(
             f"{op}: intermediate {name!r} can reach [{int(lo.min())}, {int(hi.max())}] at time step "
@@ -206,6 +231,14 @@ class _LIFNeuron(IntOp):
     """Dynamics, analysis, validation and float reference shared by both forms.
 
     Subclasses differ only in ``_fires(u)``, the firing predicate on the membrane.
+    One time step is public (operators and fixedpoint only, so it runs on numpy
+    int64 arrays and torch int64 tensors alike, and is what the QAT layer runs):
+
+        pre  = neuron.charge(prev, cur)      # clamp(leak(prev) + I_t), prev = u_rest at t = 1
+        fire = neuron.fires(pre)             # boolean firing predicate
+        post = neuron.reset(pre, fire)       # u_rest (hard) or clamp(pre - R) (soft)
+
+    ``_forward`` is exactly this loop over T.
     """
 
     out_fmt = QFormat(2, 1.0, signed=False)  # spikes are 0/1; 2 bits is QFormat's narrowest word
@@ -245,12 +278,57 @@ class _LIFNeuron(IntOp):
         bn = RationalBN.from_float(
             p["gamma"], p["beta"], p["mean"], p["var"], p["eps"],
             cfg.in_fmt.scale, 1.0, gamma_bits, frac_bits, out_frac_bits,
-        )
-        vq = np.array([to_fixed("v_th", Fraction(float(v)), out_frac_bits) for v in p["v_th"].ravel()], dtype=np.int64)
-        vq = vq.reshape(bn.shape)
-        params = MPBNParams(bn, vq, _reset_amount(cfg, bn, vq, reset_sub))
+        )  # fmt: skip
         fbn = FloatBN(p["gamma"], p["beta"], p["mean"], p["var"], p["eps"])
-        return cls(cfg, params, FloatLIF(fbn, p["v_th"], _float_reset(cfg, fbn, p["v_th"], reset_sub, params)))
+        vq = quantize_threshold(p["v_th"], out_frac_bits)
+        return cls.from_rational(cfg, bn, vq, reset_sub, reference=fbn, v_th=p["v_th"])
+
+    @classmethod
+    def from_rational(
+        cls,
+        cfg: LIFConfig,
+        bn: RationalBN,
+        v_th_q: object,
+        reset_sub: object = None,
+        reference: FloatBN | None = None,
+        v_th: object = None,
+    ) -> "_LIFNeuron":
+        """The neuron of already quantized parameters: BN ``bn`` (output scale 1), threshold ``V / 2^Fo``.
+
+        ``v_th_q``: the integers V (broadcast to the BN shape).  ``reset_sub``: the
+        soft-reset override (integers, membrane LSB), None for the default R (see the
+        module docstring).  ``reference``: the original float BN the float reference
+        neuron uses, with ``v_th`` its float threshold (default ``V / 2^Fo``); None:
+        the reference is the quantized neuron itself.
+        """
+        vq = np.asarray(v_th_q)
+        if vq.dtype.kind not in "iu":
+            raise ValueError(f"v_th_q must be integers (units of 2^-{bn.out_frac_bits}), got dtype {vq.dtype}")
+        try:
+            vq = np.broadcast_to(vq.astype(np.int64), bn.shape).copy()
+        except ValueError:
+            raise ValueError(f"v_th_q shape {vq.shape} does not broadcast to {bn.shape}") from None
+        params = MPBNParams(bn, vq, _reset_amount(cfg, bn, vq, reset_sub))
+        if reference is None:
+            return cls(cfg, params)
+        v = vq / float(1 << bn.out_frac_bits) if v_th is None else np.broadcast_to(np.asarray(v_th, np.float64), bn.shape)
+        return cls(cfg, params, FloatLIF(reference, v, _float_reset(cfg, reference, v, reset_sub, params)))
+
+    # ------------------------------------------------------------------ one time step
+
+    def charge(self, prev: Any, cur: Any) -> Any:
+        """``pre = clamp(leak(prev) + cur)`` (:meth:`LIFConfig.charge`)."""
+        return self.cfg.charge(prev, cur)
+
+    def fires(self, pre: Any) -> Any:
+        """Boolean firing predicate on the pre-reset membrane (the form's own rule)."""
+        return self._fires(pre)
+
+    def reset(self, pre: Any, fire: Any) -> Any:
+        """``post``: u_rest where fired (hard), or ``clamp(pre - R)`` where fired (soft)."""
+        if self.cfg.reset == "hard":
+            return fp.select(fire, self.cfg.u_rest, pre)
+        return self._saturate(pre - fp.select(fire, const_like(pre, self.params.reset_sub), 0))
 
     # ------------------------------------------------------------------ analysis
 
@@ -291,28 +369,22 @@ class _LIFNeuron(IntOp):
             )
 
     def _forward(self, x: np.ndarray, trace: Trace | None) -> np.ndarray:
-        """Spikes as int64 0/1; operators, fixedpoint and select only (numpy or torch)."""
+        """Spikes as int64 0/1: :meth:`charge`, :meth:`fires`, :meth:`reset` per step (numpy or torch)."""
         self._check_input(tuple(x.shape))
-        cfg = self.cfg
-        reset_sub = const_like(x, self.params.reset_sub)
         pre_all, post_all, spikes = x * 0, x * 0, x * 0
         state = None
         for t in range(x.shape[0]):
             cur = x[t]
-            prev = cur * 0 + cfg.u_rest if state is None else state
-            pre = self._saturate(_leak(cfg, prev) + cur)
-            fire = self._fires(pre)
-            if cfg.reset == "hard":
-                state = fp.select(fire, cfg.u_rest, pre)
-            else:
-                state = self._saturate(pre - fp.select(fire, reset_sub, 0))
+            pre = self.charge(self.cfg.rest_like(cur) if state is None else state, cur)
+            fire = self.fires(pre)
+            state = self.reset(pre, fire)
             pre_all[t], post_all[t], spikes[t] = pre, state, fp.select(fire, 1, 0)
         record(trace, "membrane", pre_all)
         record(trace, "membrane_reset", post_all)
         return spikes
 
     def _saturate(self, u: np.ndarray) -> np.ndarray:
-        return fp.saturate(u, self.cfg.membrane_bits) if self.cfg.saturate else u
+        return self.cfg.clamp(u)
 
     @abc.abstractmethod
     def _fires(self, u: np.ndarray) -> np.ndarray:
@@ -371,7 +443,7 @@ class MPBNNeuron(_LIFNeuron):
         spikes = super()._forward(x, trace)
         if trace is not None:
             u = trace["membrane"]
-            record(trace, "bn_numerator", u * self._slope + self._offset)
+            record(trace, "bn_numerator", u * const_like(u, self._slope) + const_like(u, self._offset))
         return spikes
 
     def _fires(self, u: np.ndarray) -> np.ndarray:
@@ -398,6 +470,13 @@ class FoldedLIFNeuron(_LIFNeuron):
         theta = const_like(u, self.event.theta)
         neg = const_like(u, self.event.negative.astype(np.int64)) == 1
         return fp.select(neg, u <= theta, u >= theta)
+
+
+def quantize_threshold(v_th: object, out_frac_bits: int) -> np.ndarray:
+    """``V = round_half_up(v_th 2^Fo)`` per element, exactly (int64, v_th's shape)."""
+    v = np.asarray(v_th, dtype=np.float64)
+    q = [fixed_ratio("v_th", *float(x).as_integer_ratio(), out_frac_bits) for x in v.ravel().tolist()]
+    return np.array(q, dtype=np.int64).reshape(v.shape)
 
 
 def _reset_amount(cfg: LIFConfig, bn: RationalBN, vq: np.ndarray, reset_sub: object) -> np.ndarray:
