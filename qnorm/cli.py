@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -14,6 +15,51 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from qnorm.verify import DEFAULT_ELEMENTS, FULL_ELEMENTS, resolve_columns, select_cases, verify
+    from qnorm.verify.golden_store import DEFAULT_DIR
+    from qnorm.verify.harness import CaseReport
+
+    columns = resolve_columns(args.target)
+    cases = select_cases(args.case)
+    elements = args.elements if args.elements is not None else FULL_ELEMENTS if args.full else DEFAULT_ELEMENTS
+    if elements < 1:
+        raise ValueError(f"--elements must be positive, got {elements}")
+
+    def progress(report: CaseReport, i: int, n: int) -> None:
+        status = "FAIL" if report.failed else "ok"
+        print(f"[{i}/{n}] {report.case.name}: {status} ({report.seconds:.1f} s)", file=sys.stderr)
+
+    golden_dir = Path(args.golden_dir) if args.golden_dir else DEFAULT_DIR
+    report = verify(cases, columns, elements, args.seed, golden_dir, progress if sys.stderr.isatty() else None)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+        for case_report, name, cell in report.failures:  # the first mismatching input, for humans too
+            detail = cell.mismatch.describe() if cell.mismatch is not None else cell.reason
+            print(f"FAIL {case_report.case.name} × {name}: {detail}", file=sys.stderr)
+    else:
+        print(report.matrix())
+    return 0 if report.ok else 1
+
+
+def _golden(args: argparse.Namespace) -> int:
+    from qnorm.verify import select_cases
+    from qnorm.verify.golden_store import DEFAULT_DIR, check, regenerate
+
+    directory = Path(args.dir) if args.dir else DEFAULT_DIR
+    cases = select_cases(args.case)
+    if args.regenerate:
+        manifest = regenerate(directory, cases)
+        size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+        total = len(manifest["cases"])
+        print(f"wrote {len(cases)} case(s) to {directory}: {total} in the manifest, {size / 1024:.0f} KiB")
+        return 0
+    problems = check(directory, cases)
+    for case in cases:
+        print(f"{case.name}: {problems.get(case.name, 'ok')}")
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qnorm", description="Integer and fixed-point normalization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -21,6 +67,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="out", help="directory for the markdown table and the PNG (default: out)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    verify = sub.add_parser(
+        "verify",
+        help="bit-exactness of every op x config on golden, qat and each target; exit 1 on any mismatch",
+    )
+    verify.add_argument(
+        "--target", nargs="+", action="extend", metavar="T",
+        help="targets/backends to check besides golden and qat (default: every known target)",
+    )  # fmt: skip
+    verify.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    size = verify.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="10^7 input elements per case instead of 10^5")
+    size.add_argument("--elements", type=int, help="input elements per case (default 10^5)")
+    verify.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
+    verify.add_argument("--golden-dir", help="golden store directory (default: tests/golden)")
+    verify.set_defaults(func=_verify)
+
+    golden = sub.add_parser("golden", help="check tests/golden against the golden model, or --regenerate it")
+    golden.add_argument(
+        "--regenerate", action="store_true",
+        help="rewrite the stored vectors and manifest from the current golden model (deliberate)",
+    )  # fmt: skip
+    golden.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
+    golden.add_argument("--dir", help="golden store directory (default: tests/golden)")
+    golden.set_defaults(func=_golden)
     return parser
 
 
