@@ -1,0 +1,42 @@
+"""TVM kernels for the golden ops, bit-exact with ``op.forward`` and scheduled for CPUs.
+
+``kernel_for(op)`` builds the kernel of one op instance (a :class:`~._base.Kernel`:
+the scheduled IRModule and the per-channel constants it takes as arguments);
+``kernel_for(op).build(target)`` compiles it through the build cache and returns
+a callable that maps the op's integer input to its output.  Every constant and
+stage comes from the op instance at build time (see :mod:`.norms` and
+:mod:`.bnfold` for which op functions run on TIR and which are mirrored).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compilers.tvm.kernels._base import CompiledKernel, Kernel
+from compilers.tvm.kernels.bnfold import (
+    bnquant_kernel,
+    lif_kernel,
+    multithreshold_kernel,
+)
+from compilers.tvm.kernels.norms import norm_kernel
+from qnorm.ops._normcore import NormOp
+from qnorm.ops.multithreshold import BNQuant, MultiThreshold
+from qnorm.ops.spiking import _LIFNeuron
+
+_BUILDERS: tuple[tuple[type, Any], ...] = (
+    (NormOp, norm_kernel),
+    (MultiThreshold, multithreshold_kernel),
+    (BNQuant, bnquant_kernel),
+    (_LIFNeuron, lif_kernel),
+)
+
+
+def kernel_for(op: Any) -> Kernel:
+    """The CPU kernel of ``op`` (any golden op of qnorm.ops)."""
+    for cls, builder in _BUILDERS:
+        if isinstance(op, cls):
+            return builder(op)
+    raise NotImplementedError(f"no TVM kernel for {type(op).__name__}")
+
+
+__all__ = ["CompiledKernel", "Kernel", "kernel_for"]

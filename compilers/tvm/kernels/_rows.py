@@ -1,0 +1,182 @@
+"""Run an op's own statistic code on symbolic rows: reductions become TE stages.
+
+The norms' ``_statistic(x, trace)`` is written with operators and the
+:mod:`qnorm.ops._xp` helpers (``row_sum``, ``absolute``, ``take_prefix``), so
+numpy and torch run the same body.  :class:`Rows` is a third operand kind those
+bodies accept: a lazily built TIR expression per (row, column) plus an exact
+:class:`~qnorm.analysis.Interval` bound.  ``row_sum`` on it creates a TE
+reduction over the row; arithmetic composes expressions.  So the kernel's
+statistic *is* the op's statistic (a change to how W or ε is formed propagates),
+and anything the body does that has no meaning here (a comparison, a rounding
+with a data-dependent select) raises instead of being silently re-implemented.
+
+Every result takes the narrowest dtype its interval allows (interval arithmetic
+is conservative, so this is exact): an int8 row's squares stay in int16 and its
+sums in int32, which is what the vector units are widest at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from tvm import runtime, te, tirx
+
+from compilers.tvm.kernels._base import int_dtype, wider
+from qnorm.analysis import Interval
+from qnorm.fixedpoint import Round
+
+Index = Any  # a TIR index expression
+
+
+class Rows:
+    """A (rows, length) block of integers, or one value per row (``length`` None).
+
+    ``at(r, c)`` builds the element's expression in ``dtype`` (a per-row value
+    ignores ``c``); ``iv`` bounds every element.
+    """
+
+    def __init__(
+        self,
+        at: Callable[[Index, Index], Any],
+        iv: Interval,
+        length: int | None,
+        dtype: str,
+        rows: Any,
+    ):
+        self.at, self.iv, self.length, self.dtype, self.rows = at, iv, length, dtype, rows
+
+    @classmethod
+    def of_tensor(cls, x: te.Tensor, iv: Interval) -> Rows:
+        """The rows of a (rows, N) placeholder whose values lie in ``iv``."""
+        rows, n = x.shape
+        return cls(lambda r, c: x[r, c], iv, int(n), str(x.dtype), rows)
+
+    # ---- arithmetic
+
+    def _binary(self, other: Any, iv: Interval, op: Callable[[Any, Any], Any]) -> Rows:
+        o = self._lift(other)
+        if self.length is not None and o.length is not None and self.length != o.length:
+            raise ValueError(f"row lengths differ: {self.length} and {o.length}")
+        dtype = wider(int_dtype(iv), self.dtype, o.dtype)
+        a, b = self.at, o.at
+        return Rows(
+            lambda r, c: op(_as(a(r, c), dtype), _as(b(r, c), dtype)),
+            iv,
+            _length(self, o),
+            dtype,
+            self.rows,
+        )
+
+    def _lift(self, v: Any) -> Rows:
+        if isinstance(v, Rows):
+            return v
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            k = int(v)
+            return Rows(
+                lambda r, c: k, Interval.point(k), None, int_dtype(Interval.point(k)), self.rows
+            )
+        raise TypeError(
+            f"a symbolic row combines with integers and rows only, not {type(v).__name__}"
+        )
+
+    def __add__(self, o: Any) -> Rows:
+        return self._binary(o, self.iv + self._lift(o).iv, lambda a, b: a + b)
+
+    __radd__ = __add__
+
+    def __sub__(self, o: Any) -> Rows:
+        return self._binary(o, self.iv - self._lift(o).iv, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> Rows:
+        return self._lift(o) - self
+
+    def __mul__(self, o: Any) -> Rows:
+        # x * x is a square, not a product of two independent values: tighter bound
+        iv = self.iv.square() if o is self else self.iv * self._lift(o).iv
+        return self._binary(o, iv, lambda a, b: a * b)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> Rows:
+        return 0 - self
+
+    def __lshift__(self, s: Any) -> Rows:
+        return self._binary(_shift_amount(s), self.iv * (1 << int(s)), lambda a, b: a << b)
+
+    def __rshift__(self, s: Any) -> Rows:
+        return self._binary(
+            _shift_amount(s), self.iv.rshift(int(s), Round.FLOOR), lambda a, b: a >> b
+        )
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Rows:
+        """``np.abs`` (``_xp.absolute``) is the one ufunc a statistic applies to rows."""
+        if ufunc is not np.absolute or method != "__call__" or inputs != (self,) or kwargs:
+            raise TypeError(
+                f"symbolic rows support np.absolute only, not {ufunc.__name__}.{method}"
+            )
+        at = self.at
+        return Rows(
+            lambda r, c: tirx.abs(at(r, c)), self.iv.abs(), self.length, self.dtype, self.rows
+        )
+
+    # ---- what has no meaning on a symbolic row
+
+    def _refuse(self, *args: Any) -> Any:
+        raise TypeError(
+            "a symbolic row has no truth value and no comparisons: "
+            "stage 1 must be arithmetic and row sums"
+        )
+
+    # == must raise too: its default (identity) would make select() take a branch silently
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _refuse  # type: ignore[assignment]
+    __hash__ = object.__hash__
+
+    # ---- row structure
+
+    def __getitem__(self, key: Any) -> Rows:
+        """``x[..., :k]`` (``_xp.take_prefix``): the first k columns."""
+        ok = (
+            isinstance(key, tuple)
+            and len(key) == 2
+            and key[0] is Ellipsis
+            and isinstance(key[1], slice)
+            and key[1].start in (None, 0)
+            and key[1].step in (None, 1)
+            and self.length is not None
+        )
+        if not ok or not 1 <= int(key[1].stop) <= self.length:
+            raise TypeError(f"symbolic rows support a column prefix x[..., :k] only, got {key!r}")
+        return Rows(self.at, self.iv, int(key[1].stop), self.dtype, self.rows)
+
+    def sum(self, axis: int = -1, keepdims: bool = True, dtype: Any = None) -> Rows:
+        """``_xp.row_sum``: a TE reduction over the row, in the narrowest exact dtype."""
+        if axis != -1 or not keepdims or self.length is None:
+            raise TypeError("symbolic rows reduce over the last axis with keepdims only")
+        iv = Interval(self.iv.lo * self.length, self.iv.hi * self.length)
+        acc = wider(int_dtype(iv), self.dtype)
+        at = self.at
+        k = te.reduce_axis((0, self.length), name="k")
+        total = te.compute(
+            (self.rows,), lambda r: te.sum(_as(at(r, k), acc), axis=k), name="row_sum"
+        )
+        return Rows(lambda r, c: total[r], iv, None, acc, self.rows)
+
+
+def _length(a: Rows, b: Rows) -> int | None:
+    return a.length if a.length is not None else b.length
+
+
+def _shift_amount(s: Any) -> int:
+    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or not 0 <= int(s) <= 62:
+        raise TypeError(f"symbolic rows shift by a constant in [0, 62] only, got {s!r}")
+    return int(s)
+
+
+def _as(v: Any, dtype: str) -> Any:
+    """``v`` in ``dtype``: Python ints become typed constants, expressions are cast."""
+    if isinstance(v, int):
+        return tirx.const(v, dtype)
+    v = runtime.convert(v)  # a tensor element (TensorSlice) becomes a load
+    return v if str(v.ty) == dtype else v.astype(dtype)
