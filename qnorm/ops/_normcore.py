@@ -49,8 +49,9 @@ d² <= (N−1) V; L1: |d| <= A/2; RMS: x² <= Q), i.e. ``|num|^p <= kappa 2^(-p 
 from __future__ import annotations
 
 import abc
+import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from typing import Any, ClassVar
 
@@ -242,10 +243,16 @@ def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
 
 
 def _int_tuple(name: str, values: Any, n: int) -> tuple[int, ...]:
+    if type(values) is tuple and len(values) == n and set(map(type, values)) == {int}:
+        try:  # a tuple of Python ints that fit int64 (what replace() passes on): kept as it is
+            np.array(values, dtype=np.int64)
+            return values
+        except OverflowError:
+            pass  # the general rule below decides (uint64 or refused)
     a = np.asarray(values)
     if a.dtype.kind not in "iu" or a.shape != (n,):
         raise ValueError(f"{name} must be {n} integers (one per row element), got dtype {a.dtype} shape {a.shape}")
-    return tuple(int(v) for v in a)
+    return tuple(a.tolist())  # Python ints, as int(v) would give, without a loop in Python
 
 
 def rsqrt_mode(mode: Round) -> Round:
@@ -282,6 +289,7 @@ def centered_ranges(rep: RangeReport, cfg: NormConfig) -> int:
     return d
 
 
+@functools.lru_cache(maxsize=1024)
 def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
     """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
 
@@ -364,8 +372,26 @@ def exponent_segments(w_iv: Interval, cfg: NormConfig) -> dict[int, Interval]:
 
 
 def mantissa_range(e: int, seg: Interval, cfg: NormConfig) -> Interval:
-    """M over one exponent's segment: monotone in W (a floor shift or a left shift)."""
-    return seg.rshift(cfg.p * e, Round.FLOOR) if e > 0 else seg * (1 << (-cfg.p * e))
+    """M over one exponent's segment: monotone in W (a floor shift or a left shift).
+
+    Python's ``>>`` on ints is the floor shift (``rshift_round(·, s, FLOOR)``)."""
+    pe = cfg.p * e
+    return Interval(seg.lo >> pe, seg.hi >> pe) if e > 0 else Interval(seg.lo << -pe, seg.hi << -pe)
+
+
+def _ceil_root_of(num: int, den: int, p: int) -> int:
+    """:func:`ceil_root` of ``num / den`` (num >= 0, den > 0) in integers."""
+    c = -(-num // den)
+    if p == 1:
+        return c
+    r = math.isqrt(c)
+    return r if r * r >= c else r + 1
+
+
+def _floor_root_of(num: int, den: int, p: int) -> int:
+    """:func:`floor_root` of ``num / den`` (num >= 0, den > 0) in integers."""
+    c = num // den
+    return c if p == 1 else math.isqrt(c)
 
 
 @dataclass(frozen=True)
@@ -388,19 +414,37 @@ class StatBounds:
     eps: int = 0
 
     def ratio_on(self, seg: Interval) -> Fraction:
-        """sup |num|^p / W over W in ``seg`` (seg.lo >= 1).
+        """sup |num|^p / W over W in ``seg`` (seg.lo >= 1); see :meth:`ratio_terms`."""
+        return Fraction(*self.ratio_terms(seg))
+
+    def ratio_terms(self, seg: Interval) -> tuple[int, int]:
+        """:meth:`ratio_on` as integers ``(n, d)``, d > 0 (not reduced): the sup is n / d.
 
         min(kappa (W − eps), cap) / W increases with W up to the kink
         W* = cap/kappa + eps and decreases after it, so the sup is at the kink
-        clipped to the segment.
+        clipped to the segment: cap / W* at the kink itself (kappa (W* − eps) =
+        cap), cap / lo when the kink lies below the segment (there kappa (lo − eps)
+        > cap), max(kappa (hi − eps), 0) / hi when it lies above.  Exact integer
+        arithmetic (kappa = kn / kd), so the analysis needs no rationals per row
+        exponent; ``tests/test_norm_speed_exact.py`` checks it against the
+        rational definition.
         """
-        best = Fraction(0)
-        if self.kappa:
-            kink = min(max(Fraction(self.cap) / self.kappa + self.eps, Fraction(seg.lo)), Fraction(seg.hi))
-            best = max(min(self.kappa * (kink - self.eps), Fraction(self.cap)), Fraction(0)) / kink
-        if self.outside is not None:
-            best = max(best, Fraction(self.outside, seg.lo))
-        return best
+        lo, hi = seg.lo, seg.hi
+        num, den = 0, 1
+        kn, kd = self.kappa.numerator, self.kappa.denominator
+        if kn:
+            kink = self.cap * kd + self.eps * kn  # W* = kink / kn
+            if kink < lo * kn:
+                num, den = self.cap, lo
+            elif kink > hi * kn:
+                top = kn * (hi - self.eps)
+                if top > 0:
+                    num, den = top, kd * hi
+            else:
+                num, den = self.cap * kn, kink
+        if self.outside is not None and self.outside * den > num * lo:
+            num, den = self.outside, lo
+        return num, den
 
 
 def numerator_by_exponent(cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval]) -> dict[int, Interval]:
@@ -411,14 +455,17 @@ def numerator_by_exponent(cfg: NormConfig, stat: StatBounds, segs: dict[int, Int
     |u|^p <= ratio_e · W_hi(e) · 2^(p (H−e)); rounding (e > H) adds at most 1.
     The relational side is what keeps u narrow: u tracks the normalized value,
     scaled to the mantissa, and rows with a large W cannot have a numerator near
-    the format's limit scaled up by a small exponent.
+    the format's limit scaled up by a small exponent.  (Integers throughout:
+    ratio_e = n / d from :meth:`StatBounds.ratio_terms`.)
     """
     p, h = cfg.p, cfg.num_shift
     out = {}
     for e, seg in segs.items():
         t = e - h
-        rel = floor_root(stat.ratio_on(seg) * seg.hi * Fraction(2) ** (p * -t), p) + (t > 0)
-        a = stat.num.rshift(t, cfg.rounding) if t > 0 else stat.num * (1 << -t)
+        rn, rd = stat.ratio_terms(seg)
+        q = rn * seg.hi
+        rel = _floor_root_of(q, rd << (p * t), p) + 1 if t > 0 else _floor_root_of(q << (-p * t), rd, p)
+        a = stat.num.rshift(t, cfg.rounding) if t > 0 else Interval(stat.num.lo << -t, stat.num.hi << -t)
         lo, hi = max(a.lo, -rel), min(a.hi, rel)
         if lo <= hi:
             out[e] = Interval(lo, hi)
@@ -442,16 +489,25 @@ def product_bound(
     R 2^F_r itself, reached by the op's extremal row (LayerNorm's [a, b, …, b]);
     the others are below 2^-13 of it.  Where u's own range is small (large e),
     max|u| · max r is the tighter bound.
+
+    Evaluated in integers: with ratio_e = n / d and X_lo = x_lo / x_d, X_hi =
+    x_hi / x_d (x_d = 2^(p e) for e > 0, else 1), each term is the ceiling root
+    of one integer quotient, exactly the rational term's.
     """
     p, f, h = cfg.p, cfg.inv_frac_bits, cfg.num_shift
     best = 0
     for e, u in by_exp.items():
         seg, truncated, rounded = segs[e], e > 0, e > h
-        rp = stat.ratio_on(seg) * (1 << (p * h))
-        x_lo, x_hi = (Fraction(v) / Fraction(2) ** (p * e) for v in (seg.lo, seg.hi))
-        main = ceil_root(rp * (1 << (p * f)) * x_lo / (x_lo - truncated), p)
-        r_err = ceil_root(rp * x_hi, p)
-        u_err = ceil_root(Fraction(1 << (p * f)) / (x_lo - truncated), p) + 1 if rounded else 0
+        rn, rd = stat.ratio_terms(seg)
+        pe = p * e
+        if pe > 0:
+            xd, xl, xh = 1 << pe, seg.lo, seg.hi
+        else:
+            xd, xl, xh = 1, seg.lo << -pe, seg.hi << -pe
+        below = xl - xd if truncated else xl  # (X_lo − [e > 0]) · x_d
+        main = _ceil_root_of((rn * xl) << (p * (h + f)), rd * below, p)
+        r_err = _ceil_root_of((rn * xh) << (p * h), rd * xd, p)
+        u_err = _ceil_root_of(xd << (p * f), below, p) + 1 if rounded else 0
         best = max(best, min(main + r_err + u_err, max(-u.lo, u.hi) * r_max))
     return best
 
@@ -459,11 +515,97 @@ def product_bound(
 # --------------------------------------------------------------------------- the op skeleton
 
 
+@dataclass(frozen=True)
+class RowAnalysis:
+    """The range analysis of stages 1–3 (everything up to z), a function of the
+    structural config alone (:func:`row_key`): not of γ, β, the output shift or
+    the output format, and of the input format only through its integer range.
+
+    ``items``: the report's entries through ``z``, in order; ``channel_z``: z's
+    range per run of channels, ``(start, stop, interval)`` covering 0..N;
+    ``stat_bits``: the bit length of W's largest value.
+    """
+
+    items: tuple[tuple[str, Interval], ...]
+    z: Interval
+    channel_z: tuple[tuple[int, int, Interval], ...]
+    stat_bits: int
+
+
+# Config fields that only the output stage (stage 4) reads; every other field,
+# and the input format's integer range, is the row analysis' key.
+_OUTPUT_FIELDS = frozenset({"gain", "bias", "shift", "in_fmt", "out_fmt"})
+ROW_CACHE_SIZE = 1024
+
+
+@functools.cache
+def _row_fields(cfg_cls: type[NormConfig]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cfg_cls) if f.name not in _OUTPUT_FIELDS)
+
+
+def row_key(cfg: NormConfig) -> tuple[Any, ...]:
+    """The hashable structural key of ``cfg``'s row analysis: the config class, the
+    input's bit width and signedness, and every field but the output stage's."""
+    return (type(cfg), cfg.in_fmt.bits, cfg.in_fmt.signed, *(getattr(cfg, f) for f in _row_fields(type(cfg))))
+
+
+def _config_of_key(key: tuple[Any, ...]) -> NormConfig:
+    """A config with exactly ``key``'s structural fields (unit gains' stand-ins:
+    zero gain and bias, shift 0, input scale 1, the default output format)."""
+    cfg_cls, bits, signed, *values = key
+    n = values[_row_fields(cfg_cls).index("n")]
+    zeros = (0,) * n
+    return cfg_cls(
+        in_fmt=QFormat(bits, 1.0, signed),
+        out_fmt=DEFAULT_OUT,
+        gain=zeros,
+        shift=0,
+        bias=zeros,
+        **dict(zip(_row_fields(cfg_cls), values)),
+    )
+
+
+@functools.lru_cache(maxsize=ROW_CACHE_SIZE)
+def _cached_row_analysis(op_cls: type[NormOp], key: tuple[Any, ...]) -> RowAnalysis | str:
+    """The row analysis of ``key`` computed from a config built from the key alone
+    (so the result cannot depend on anything else), or the refusal's message."""
+    try:
+        return op_cls._row_ranges(_config_of_key(key))
+    except OverflowRiskError as err:
+        return str(err)
+
+
+@functools.lru_cache(maxsize=ROW_CACHE_SIZE)
+def _cached_raw_stat_hi(op_cls: type[NormOp], key: tuple[Any, ...]) -> int | str:
+    """The statistic's largest value before ε (what the guard search starts from),
+    or the refusal's message: the statistic's own ranges, checked."""
+    rep = RangeReport(op_cls.name)
+    hi = op_cls._statistic_ranges(_config_of_key(key), rep).w.hi
+    try:
+        rep.check()
+    except OverflowRiskError as err:
+        return str(err)
+    return hi
+
+
+def row_cache_clear() -> None:
+    """Forget every cached row analysis (tests use it to compare cold and warm)."""
+    _cached_row_analysis.cache_clear()
+    _cached_raw_stat_hi.cache_clear()
+
+
 class NormOp(IntOp):
     """A row normalization: statistic, one per-row inverse, affine output.
 
     Subclasses provide the statistic (``_statistic`` / ``_statistic_ranges``) and
     the per-row inverse (``_inverse`` / ``_inverse_range``); the rest is shared.
+
+    The range analysis has two parts.  Stages 1–3 (:meth:`row_analysis`) depend
+    only on the structural config (:func:`row_key`: N, the input's width, F_z, the
+    mantissa and inverse widths, ε_int and its guard bits, the rounding mode, the
+    op's own fields) and are cached per key; stage 4 (:func:`output_ranges`)
+    needs only the extremes of m_c and B_c and runs vectorized per call.  Both
+    are exact: the report is the one the unsplit analysis produced.
     """
 
     config_cls: ClassVar[type[NormConfig]]
@@ -506,6 +648,9 @@ class NormOp(IntOp):
         the guard g of :func:`eps_guard_bits`, lowered further while the range
         analysis refuses the config (g = 0 is the plain integer ε); β_c becomes
         ``round(β_c 2^s / s_out)``, clipped where the output saturates anyway.
+
+        Each guard tried is the full analysis of the op with zero β (as
+        constructing it would run), its row part from the cache.
         """
         params = FloatParams.checked(gamma, beta, eps)
         n = params.gamma.size
@@ -532,14 +677,12 @@ class NormOp(IntOp):
         gain, shift = cls._quantize_gain(np.ldexp(real_gain, -frac_bits), mult_bits, max_shift)
         cfg = replace(base, gain=gain, shift=shift, frac_bits=frac_bits)
         eps_s = cfg.eps_exact(params.eps)
-        rep = RangeReport(cls.name)
-        stat_hi = cls._statistic_ranges(cfg, rep).w.hi
-        rep.check()
-        g = eps_guard_bits(eps_s, stat_hi, cfg.p)
+        g = eps_guard_bits(eps_s, cls._raw_stat_hi(cfg), cfg.p)
+        gain_arr, no_bias = np.asarray(gain, dtype=np.int64), np.zeros(n, dtype=np.int64)
         while True:
             cfg = replace(cfg, eps=round_rational(eps_s * (1 << (cfg.p * g))), eps_shift=g)
             try:
-                z = cls(cfg, params).ranges()["z"]
+                z = cls._report(cfg, gain_arr, no_bias).check()["z"]
                 break
             except OverflowRiskError:
                 if g == 0:
@@ -548,10 +691,18 @@ class NormOp(IntOp):
         return cls(replace(cfg, bias=_output_bias(params.beta, cfg, max(-z.lo, z.hi))), params)
 
     @classmethod
+    def _raw_stat_hi(cls, cfg: NormConfig) -> int:
+        """S's largest value (before ε), checked against 63 bits; cached per row key."""
+        got = _cached_raw_stat_hi(cls, row_key(cfg))
+        if isinstance(got, str):
+            raise OverflowRiskError(got)
+        return got
+
+    @classmethod
     def _quantize_gain(cls, gains: np.ndarray, mult_bits: int, max_shift: int) -> tuple[tuple[int, ...], int]:
         """Per-channel multipliers sharing one shift (a shift-only op overrides this)."""
         m, s = fp.dyadic_vector(gains, mult_bits, max_shift)
-        return tuple(int(v) for v in m), s
+        return tuple(m.tolist()), s
 
     # ---- the integer forward
 
@@ -569,8 +720,11 @@ class NormOp(IntOp):
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
         inv = self._inverse(m, trace)
         u = shift_numerator(num, e, cfg, trace)
+        del num  # each per-element intermediate is dropped once used: less memory in flight
         prod = record(trace, "prod", self._product(u, inv, trace))
+        del u
         z = record(trace, "z", rshift_round(prod, cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding))
+        del prod
         return self._output(z, trace)
 
     def _product(self, u: Any, inv: Any, trace: Trace | None) -> Any:
@@ -583,7 +737,9 @@ class NormOp(IntOp):
         cfg = self.config
         scaled = record(trace, "scaled", self._scale(z))
         acc = record(trace, "acc", scaled + const_like(scaled, self._bias))
+        del scaled
         y = record(trace, "y", rshift_round(acc, cfg.shift, cfg.rounding))
+        del acc
         return record(trace, "out", saturate(y, cfg.out_fmt.bits, cfg.out_fmt.signed))
 
     # ---- static ranges
@@ -591,29 +747,53 @@ class NormOp(IntOp):
     def ranges(self) -> RangeReport:
         """Every intermediate's exact bounds.  The report is checked against 63 bits
         at stage ends, before a bound too wide for fixedpoint's operands is shifted."""
-        cfg = self.config
-        rep = RangeReport(self.name)
-        stat = add_eps_ranges(rep, self._statistic_ranges(cfg, rep), cfg)
+        return self._report(self.config, self._gain, self._bias)
+
+    @classmethod
+    def _report(cls, cfg: NormConfig, gain: np.ndarray, bias: np.ndarray) -> RangeReport:
+        """The report of ``cfg`` with int64 multipliers and biases ``gain``, ``bias``."""
+        row = cls.row_analysis(cfg)
+        rep = RangeReport(cls.name)
+        rep.items.update(row.items)
+        output_ranges(rep, cfg, gain, bias, row.channel_z)
+        return rep
+
+    @classmethod
+    def row_analysis(cls, cfg: NormConfig) -> RowAnalysis:
+        """Stages 1–3 of ``cfg``'s analysis, cached per :func:`row_key`; raises
+        :class:`OverflowRiskError` (every time) for a refused key."""
+        got = _cached_row_analysis(cls, row_key(cfg))
+        if isinstance(got, str):
+            raise OverflowRiskError(got)
+        return got
+
+    @classmethod
+    def _row_ranges(cls, cfg: NormConfig) -> RowAnalysis:
+        """Stages 1–3, uncached: checked against 63 bits after the statistic and
+        after the product, as the unsplit analysis did, and once more with z."""
+        rep = RangeReport(cls.name)
+        stat = add_eps_ranges(rep, cls._statistic_ranges(cfg, rep), cfg)
         rep.check()
         segs = exponent_segments(stat.w, cfg)
         rep.add("exp", Interval(min(segs), max(segs)))
         mants = [mantissa_range(e, seg, cfg) for e, seg in segs.items()]
         m_iv = rep.add("mant", Interval(min(m.lo for m in mants), max(m.hi for m in mants)))
-        inv = rep.add(self.inverse_name, self._inverse_range(m_iv))
-        z = self._normalized_ranges(stat, segs, inv, rep)
-        self._output_ranges(rep, self._channel_z(stat, segs, inv, z))
-        return rep
+        inv = rep.add(cls.inverse_name, cls._inverse_range(cfg, m_iv))
+        z = cls._normalized_ranges(cfg, stat, segs, inv, rep)
+        rep.check()  # z (never wider than prod): every entry handed on is checked
+        chans = cls._channel_z(cfg, stat, segs, inv, z)
+        return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()))
 
+    @classmethod
     def _normalized_ranges(
-        self, stat: StatBounds, segs: dict[int, Interval], inv: Interval, rep: RangeReport | None
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, rep: RangeReport | None
     ) -> Interval:
         """num_scaled, prod and z (recorded when ``rep`` is given)."""
-        cfg = self.config
         by_exp = numerator_by_exponent(cfg, stat, segs)
         u = Interval(min(v.lo for v in by_exp.values()), max(v.hi for v in by_exp.values()))
         if rep is not None:
             rep.add("num_scaled", u)
-        big = self._product_bound(stat, segs, by_exp, inv, rep)
+        big = cls._product_bound(cfg, stat, segs, by_exp, inv, rep)
         prod = Interval(-big, big)
         if rep is not None:
             rep.add("prod", prod)
@@ -621,32 +801,25 @@ class NormOp(IntOp):
         z = prod.rshift(cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding)
         return z if rep is None else rep.add("z", z)
 
+    @classmethod
     def _product_bound(
-        self,
+        cls,
+        cfg: NormConfig,
         stat: StatBounds,
         segs: dict[int, Interval],
         by_exp: dict[int, Interval],
         inv: Interval,
         rep: RangeReport | None,
     ) -> int:
-        return product_bound(self.config, stat, segs, by_exp, inv.hi)
+        return product_bound(cfg, stat, segs, by_exp, inv.hi)
 
-    def _channel_z(self, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval) -> list[Interval]:
-        """z's range per channel (an op whose channels differ overrides this)."""
-        return [z] * self.config.n
-
-    def _output_ranges(self, rep: RangeReport, zs: list[Interval]) -> None:
-        """scaled, acc, y, out as hulls of per-channel ranges; a channel's z reaches
-        both ends (the extremal row can put its odd element anywhere), so they are
-        tight."""
-        cfg = self.config
-        prods = [z * m for z, m in zip(zs, cfg.gain)]
-        rep.add("scaled", Interval(min(v.lo for v in prods), max(v.hi for v in prods)))
-        sums = [v + b for v, b in zip(prods, cfg.bias)]
-        acc = rep.add("acc", Interval(min(v.lo for v in sums), max(v.hi for v in sums)))
-        rep.check()
-        y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
-        rep.add("out", y.clamp(cfg.out_fmt.lo, cfg.out_fmt.hi))
+    @classmethod
+    def _channel_z(
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval
+    ) -> tuple[tuple[int, int, Interval], ...]:
+        """z's range per run of channels, ``(start, stop, interval)`` (an op whose
+        channels differ overrides this)."""
+        return ((0, cfg.n, z),)
 
     # ---- op hooks
 
@@ -665,8 +838,9 @@ class NormOp(IntOp):
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         """The per-row inverse of the mantissa (records it under ``inverse_name``)."""
 
+    @classmethod
     @abc.abstractmethod
-    def _inverse_range(self, m_iv: Interval) -> Interval:
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
         """Exact range of the inverse over the mantissa's range."""
 
     @abc.abstractmethod
@@ -692,6 +866,49 @@ class NormOp(IntOp):
         return (normalized * g + b).numpy()
 
 
+def output_ranges(
+    rep: RangeReport,
+    cfg: NormConfig,
+    gain: np.ndarray,
+    bias: np.ndarray,
+    channel_z: tuple[tuple[int, int, Interval], ...],
+) -> None:
+    """Stage 4: scaled, acc, y, out as hulls of per-channel ranges; a channel's z
+    reaches both ends (the extremal row can put its odd element anywhere), so they
+    are tight.
+
+    Per run of channels sharing z's range [a, b]: z·m is linear in m, so the hull
+    of z·m_c over the run is spanned by a and b times the run's smallest and
+    largest m; acc's ends min(a m_c, b m_c) + B_c and max(…) + B_c are taken
+    vectorized in int64 where every product and sum provably fits (else with
+    Python ints, exactly).
+    """
+    s_lo = s_hi = a_lo = a_hi = None
+    for start, stop, z in channel_z:
+        m, b = gain[start:stop], bias[start:stop]
+        m_lo, m_hi, b_lo, b_hi = int(m.min()), int(m.max()), int(b.min()), int(b.max())
+        corners = (z.lo * m_lo, z.lo * m_hi, z.hi * m_lo, z.hi * m_hi)
+        lo, hi = min(corners), max(corners)
+        s_lo, s_hi = (lo, hi) if s_lo is None else (min(s_lo, lo), max(s_hi, hi))
+        if b_lo == b_hi:  # one bias for the whole run (β = 0 while the guard is searched)
+            lo, hi = lo + b_lo, hi + b_lo
+        elif max(-z.lo, z.hi) * max(-m_lo, m_hi) + max(-b_lo, b_hi) < 1 << 63:
+            p, q = m * z.lo, m * z.hi
+            lo, hi = int((np.minimum(p, q) + b).min()), int((np.maximum(p, q) + b).max())
+        else:
+            ends = [(min(z.lo * v, z.hi * v) + c, max(z.lo * v, z.hi * v) + c) for v, c in zip(m.tolist(), b.tolist())]
+            lo, hi = min(e[0] for e in ends), max(e[1] for e in ends)
+        a_lo, a_hi = (lo, hi) if a_lo is None else (min(a_lo, lo), max(a_hi, hi))
+    # The row analysis' entries passed their checks: only the two new ones remain.
+    stage = RangeReport(rep.op)
+    stage.add("scaled", Interval(s_lo, s_hi))
+    acc = stage.add("acc", Interval(a_lo, a_hi))
+    stage.check()
+    rep.items.update(stage.items)
+    y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
+    rep.add("out", y.clamp(cfg.out_fmt.lo, cfg.out_fmt.hi))
+
+
 def default_frac_bits(real_gain: np.ndarray, limit: int) -> int:
     """F_z with z's rounding GUARD_BITS below the output LSB of the largest gain.
 
@@ -704,6 +921,31 @@ def default_frac_bits(real_gain: np.ndarray, limit: int) -> int:
     return min(max(want, 0), limit)
 
 
+def scaled_round(values: np.ndarray, shift: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """``round_half_up(v · 2^shift / scale)`` of float64 ``values``, exactly, where cheap.
+
+    Returns (int64 results, mask of the values left for exact rational rounding).
+    ``v · 2^shift`` is exact (np.ldexp) unless it overflows; dividing by a power of
+    two is exact too, so for a power-of-two ``scale`` t is the exact value and
+    ``fixedpoint.round_float`` rounds it exactly (every |t| < 2^62).  Otherwise
+    the division is correctly rounded, t = x (1 + δ) with |δ| <= 2^-53, and t's
+    rounding is x's unless x and t straddle the one half-integer next to t: t is
+    kept only if its distance to it (exact up to 2^-53 for |t| < 2^36) exceeds
+    2^-40 (1 + |t|), far above |x − t| < |t| 2^-52 + 2^-1074.  Ties, near-ties,
+    huge and non-finite values are left to the caller (mask True).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = np.ldexp(values, shift) / scale
+        size = np.abs(t)
+        if math.frexp(scale)[0] == 0.5:
+            keep = size < 2.0**62
+        else:
+            frac = t - np.floor(t)
+            keep = (size < 2.0**36) & (np.abs(frac - 0.5) > np.ldexp(size + 1.0, -40))
+        k = np.where(keep, fp.round_float(np.where(keep, t, 0.0)), 0.0).astype(np.int64)
+    return k, ~keep
+
+
 def _output_bias(beta: np.ndarray, cfg: NormConfig, z_abs: int) -> tuple[int, ...]:
     """``B_c = round(β_c 2^s / s_out)``, clipped to where the output saturates anyway.
 
@@ -711,7 +953,32 @@ def _output_bias(beta: np.ndarray, cfg: NormConfig, z_abs: int) -> tuple[int, ..
     so y >= hi + 1 under every rounding mode and the output is hi — as it is for
     any larger B (y is monotone in B).  Symmetrically below.  So clipping B there
     changes no output and keeps acc inside the range check for any finite β.
+
+    Vectorized (:func:`scaled_round`, int64 clipping) where the clip bounds fit
+    62 bits; the values :func:`scaled_round` leaves, and configs beyond that, take
+    the exact rational rule of :func:`_output_bias_exact` — equal by construction,
+    and ``tests/test_norm_speed_exact.py`` checks it on ties and near-ties.
     """
+    shift = cfg.shift
+    top, bottom = (cfg.out_fmt.hi + 1) << shift, (cfg.out_fmt.lo - 1) << shift
+    gain = np.asarray(cfg.gain, dtype=np.int64)
+    m_abs = max(-int(gain.min()), int(gain.max()))
+    if max(top, -bottom) + z_abs * m_abs >= 1 << 62:
+        return _output_bias_exact(beta, cfg, z_abs)
+    reach = np.abs(gain) * z_abs
+    lo, hi = bottom - reach, top + reach
+    b_int, exact = scaled_round(beta, shift, cfg.out_fmt.scale)
+    out = np.minimum(np.maximum(b_int, lo), hi)
+    if exact.any():
+        s_out = Fraction(cfg.out_fmt.scale)
+        for i in np.flatnonzero(exact).tolist():
+            b = round_rational(Fraction(float(beta[i])) * (1 << shift) / s_out)
+            out[i] = min(max(b, int(lo[i])), int(hi[i]))
+    return tuple(out.tolist())
+
+
+def _output_bias_exact(beta: np.ndarray, cfg: NormConfig, z_abs: int) -> tuple[int, ...]:
+    """:func:`_output_bias` channel by channel in exact rationals (the definition)."""
     s_out = Fraction(cfg.out_fmt.scale)
     top, bottom = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
     out = []

@@ -139,8 +139,8 @@ class L1LayerNorm(NormOp):
         cfg = self.config
         return record(trace, "recip", reciprocal(m + m + 1, cfg.inv_frac_bits + 1, cfg.rounding))
 
-    def _inverse_range(self, m_iv: Interval) -> Interval:
-        cfg = self.config
+    @classmethod
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
         f = cfg.inv_frac_bits + 1
         return Interval(reciprocal(2 * m_iv.hi + 1, f, cfg.rounding), reciprocal(2 * m_iv.lo + 1, f, cfg.rounding))
 

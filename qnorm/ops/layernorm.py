@@ -23,6 +23,7 @@ N = 1 is legal: d = 0, so every output is β (rounded to the output grid).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -79,7 +80,15 @@ def rsqrt_inverse(m: Any, cfg: RsqrtConfig, trace: Trace | None) -> Any:
 
 def rsqrt_inverse_range(m_iv: Interval, cfg: RsqrtConfig) -> Interval:
     mode = rsqrt_mode(cfg.rounding)
-    return Interval(rsqrt(m_iv.hi, cfg.inv_frac_bits, mode), rsqrt(m_iv.lo, cfg.inv_frac_bits, mode))
+    return Interval(_rsqrt_of(m_iv.hi, cfg.inv_frac_bits, mode), _rsqrt_of(m_iv.lo, cfg.inv_frac_bits, mode))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rsqrt_of(m: int, frac_bits: int, mode: Round) -> int:
+    """``fixedpoint.rsqrt`` of one Python int, memoized: the mantissa's ends are
+    the same few values for almost every config, and the digit-by-digit root on
+    a Python int costs a millisecond."""
+    return int(rsqrt(m, frac_bits, mode))
 
 
 @dataclass(frozen=True)
@@ -168,8 +177,9 @@ class IntLayerNorm(NormOp):
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         return rsqrt_inverse(m, self.config, trace)
 
-    def _inverse_range(self, m_iv: Interval) -> Interval:
-        return rsqrt_inverse_range(m_iv, self.config)
+    @classmethod
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
+        return rsqrt_inverse_range(m_iv, cfg)
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
         return layer_norm_reference(self, x)

@@ -127,19 +127,23 @@ class IntRMSNorm(NormOp):
         top = x.square().hi
         return StatBounds(q, x, Fraction(1), top, top if cfg.prefix < cfg.n else None)
 
-    def _channel_z(self, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval) -> list[Interval]:
+    @classmethod
+    def _channel_z(
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval
+    ) -> tuple[tuple[int, int, Interval], ...]:
         """Channels inside the prefix keep |z| <= 2^(F_z + h); only the rest can blow up."""
-        k, n = self.config.prefix, self.config.n
+        k, n = cfg.prefix, cfg.n
         if k == n:
-            return [z] * n
-        inside = self._normalized_ranges(replace(stat, outside=None), segs, inv, None)
-        return [inside] * k + [z] * (n - k)
+            return ((0, n, z),)
+        inside = cls._normalized_ranges(cfg, replace(stat, outside=None), segs, inv, None)
+        return ((0, k, inside), (k, n, z))
 
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         return rsqrt_inverse(m, self.config, trace)
 
-    def _inverse_range(self, m_iv: Interval) -> Interval:
-        return rsqrt_inverse_range(m_iv, self.config)
+    @classmethod
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
+        return rsqrt_inverse_range(m_iv, cfg)
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
         """torch.nn.functional.rms_norm (float64, float γ and ε) + β; for p < 1 the

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -42,7 +43,6 @@ from qnorm.ops._normcore import (
     NormOp,
     StatBounds,
     centered,
-    floor_root,
     mantissa_range,
 )
 from qnorm.ops._xp import const_like
@@ -101,11 +101,31 @@ def mantissa_table(terms: int) -> tuple[int, tuple[Pow2Mantissa, ...]]:
     return frac, tuple(keep)
 
 
+@functools.cache
 def mantissa_thresholds(terms: int, mant_bits: int) -> tuple[int, ...]:
     """T_i: choose candidate i (not i − 1) iff M >= T_i = ceil(2^mb / (c_(i−1) c_i))."""
     frac, cands = mantissa_table(terms)
     num = 1 << (mant_bits + 2 * frac)
     return tuple(-(-num // (a.value * b.value)) for a, b in itertools.pairwise(cands))
+
+
+def negate_mask(sign: Any) -> Any:
+    """-1 where ``sign`` (-1, 0 or 1) is negative, else 0: an arithmetic shift."""
+    return sign >> 1
+
+
+def nonzero_mask(sign: Any) -> Any:
+    """-1 where ``sign`` (-1, 0 or 1) is not 0, else 0."""
+    return -(sign & 1)
+
+
+def signed_term(v: Any, neg: Any, keep: Any) -> Any:
+    """``sign · v`` from the masks of ``sign``: ``(v XOR neg) − neg`` is the
+    two's-complement negation where neg = −1 (and v where 0), ``AND keep`` zeroes
+    it where sign = 0 — the conditional negate of hardware, without a multiplier,
+    and element-wise without a select (``torch.where`` is an order of magnitude
+    slower than these on int64 CPU tensors)."""
+    return ((v ^ neg) - neg) & keep
 
 
 @dataclass(frozen=True)
@@ -117,7 +137,12 @@ class ShiftNormConfig(NormConfig):
     def _check_inverse(self) -> None:
         if self.mantissa_terms not in (1, 2):
             raise ValueError(f"mantissa_terms must be 1 or 2, got {self.mantissa_terms!r}")
-        bad = [g for g in self.gain if g and abs(g) & (abs(g) - 1)]
+        try:  # int64 two's complement: m & (m - 1) is 0 exactly for 0 and ±2^l (also -2^63)
+            g = np.array(self.gain, dtype=np.int64)
+            m = np.where(g < 0, -g, g)  # |g|; -2^63 stays -2^63, whose m & (m - 1) is 0 too
+            bad = g[(m & (m - 1)) != 0].tolist()
+        except OverflowError:  # a uint64 gain: Python ints
+            bad = [g for g in self.gain if g and abs(g) & (abs(g) - 1)]
         if bad:
             raise ValueError(f"ShiftLayerNorm gains must be 0 or ±2^l, got {bad[:3]}")
 
@@ -138,6 +163,23 @@ def round_log2(v: Fraction) -> int:
     return k // 2
 
 
+# The float nearest sqrt(2) lies above it (1.41421356237309514547... > sqrt 2), and
+# the float below it under: for a float m, m >= sqrt(2) exactly iff m >= SQRT2.
+SQRT2 = math.sqrt(2.0)
+
+
+def round_log2_floats(values: np.ndarray) -> np.ndarray:
+    """:func:`round_log2` of |v| for each non-zero float64 v (0 where v = 0), vectorized.
+
+    |v| = m 2^e with m in [1, 2): log2(2 v²) = 2e + 1 + 2 log2 m, whose floor is
+    2e + 1 + [m >= sqrt 2], so round_log2 = e + [m >= sqrt 2] — exact, since the
+    float comparison m >= SQRT2 decides m >= sqrt(2) exactly (no float lies in
+    between) and ``np.frexp`` is exact, subnormals included.
+    """
+    f, e = np.frexp(np.abs(np.asarray(values, dtype=np.float64)))  # |v| = f 2^e, f in [1/2, 1)
+    return np.where(f != 0, e - 1 + (2 * f >= SQRT2), 0).astype(np.int64)
+
+
 class ShiftLayerNorm(NormOp):
     """LayerNorm with power-of-two 1/σ and γ (see the module docstring)."""
 
@@ -149,7 +191,12 @@ class ShiftLayerNorm(NormOp):
         super().__init__(config, params)
         g = np.asarray(config.gain, dtype=np.int64)
         self._sign = np.sign(g)
-        self._log2 = np.array([max(abs(int(v)).bit_length() - 1, 0) for v in g], dtype=np.int64)
+        # l = bit_length(|g|) − 1 (0 for g = 0): the exponent of ±2^l, exact in float64
+        self._log2 = np.maximum(np.frexp(g.astype(np.float64))[1] - 1, 0).astype(np.int64)
+        # _scale's conditional negate as masks: -1 where the gain is negative, and
+        # 0 where it is zero (else -1)
+        self._neg = negate_mask(self._sign)
+        self._keep = nonzero_mask(self._sign)
 
     @classmethod
     def from_float(
@@ -189,18 +236,19 @@ class ShiftLayerNorm(NormOp):
         exponent; a gain whose exponent falls below the grid (l_c < 0) is flushed
         to 0, as a dyadic multiplier rounds to 0 below half its LSB.
         """
-        logs = [None if g == 0 else round_log2(abs(Fraction(float(g)))) for g in gains]
-        live = [q for q in logs if q is not None]
-        if not live:
+        gains = np.asarray(gains, dtype=np.float64)
+        live = gains != 0
+        if not live.any():
             return (0,) * len(gains), 0
-        s = min(max_shift, mult_bits - 2 - max(live))
+        logs = round_log2_floats(gains)
+        top = int(logs[live].max())
+        s = min(max_shift, mult_bits - 2 - top)
         if s < 0:
-            raise ValueError(
-                f"a gain of 2^{max(live)} per z LSB does not fit a {mult_bits}-bit power-of-two multiplier"
-            )
-        signs = np.sign(gains).astype(int).tolist()
-        out = [0 if q is None or q + s < 0 else sg << (q + s) for q, sg in zip(logs, signs)]
-        return tuple(out), s
+            raise ValueError(f"a gain of 2^{top} per z LSB does not fit a {mult_bits}-bit power-of-two multiplier")
+        l = logs + s  # <= mult_bits - 2
+        keep = live & (l >= 0)
+        out = np.where(keep, np.sign(gains).astype(np.int64) << np.where(keep, l, 0), 0)
+        return tuple(out.tolist()), s
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s, d = centered(x, self.config.n, trace)
@@ -225,26 +273,27 @@ class ShiftLayerNorm(NormOp):
         return record(trace, "rsqrt_pow2", value), hi, lo, sign
 
     def _product(self, u: Any, inv: Any, trace: Trace | None) -> Any:
-        """u · (2^hi ± 2^lo) as two shifts and one add/subtract."""
+        """u · (2^hi ± 2^lo) as two shifts and one add/subtract (the second term
+        negated or dropped by the row's sign: :func:`signed_term`)."""
         _, hi, lo, sign = inv
         big = record(trace, "prod_hi", u << hi)
-        small = u << lo
-        return big + select(sign > 0, small, select(sign < 0, -small, small * 0))
+        return big + signed_term(u << lo, negate_mask(sign), nonzero_mask(sign))
 
     def _scale(self, z: Any) -> Any:
         """z · (±2^l_c): a shift and a conditional negate."""
         mag = z << const_like(z, self._log2)
-        sign = const_like(z, self._sign)
-        return select(sign > 0, mag, select(sign < 0, -mag, mag * 0))
+        return signed_term(mag, const_like(z, self._neg), const_like(z, self._keep))
 
-    def _inverse_range(self, m_iv: Interval) -> Interval:
-        vals = [c.value for c, _ in self._segments(m_iv)]
+    @classmethod
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
+        vals = [c.value for c, _ in cls._segments(cfg, m_iv)]
         return Interval(min(vals), max(vals))
 
-    def _segments(self, m_iv: Interval) -> list[tuple[Pow2Mantissa, Interval]]:
+    @classmethod
+    def _segments(cls, cfg: NormConfig, m_iv: Interval) -> list[tuple[Pow2Mantissa, Interval]]:
         """Each candidate with the part of M's range on which it is chosen."""
-        _, cands = mantissa_table(self.config.mantissa_terms)
-        cuts = (m_iv.lo, *mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits), m_iv.hi + 1)
+        _, cands = mantissa_table(cfg.mantissa_terms)
+        cuts = (m_iv.lo, *mantissa_thresholds(cfg.mantissa_terms, cfg.mant_bits), m_iv.hi + 1)
         out = []
         for i, cand in enumerate(cands):
             lo, hi = max(cuts[i], m_iv.lo), min(cuts[i + 1] - 1, m_iv.hi)
@@ -252,8 +301,10 @@ class ShiftLayerNorm(NormOp):
                 out.append((cand, Interval(lo, hi)))
         return out
 
+    @classmethod
     def _product_bound(
-        self,
+        cls,
+        cfg: NormConfig,
         stat: StatBounds,
         segs: dict[int, Interval],
         by_exp: dict[int, Interval],
@@ -264,13 +315,13 @@ class ShiftLayerNorm(NormOp):
         |u| <= sqrt(ratio_e 4^H (M_hi + [e > 0])) + [e > H] (X < M + 1 when M is
         truncated; u = num 2^(H − e) is rounded when e > H, H = g the ε guard),
         capped by u's range; times the candidate's value (the product) or 2^hi
-        (the first partial product)."""
+        (the first partial product).  In integers: ratio_e = n / d."""
         prod = part = 0
-        h = self.config.num_shift
+        h = cfg.num_shift
         for e, u_iv in by_exp.items():
-            ratio, u_cap = stat.ratio_on(segs[e]) * (1 << (2 * h)), max(-u_iv.lo, u_iv.hi)
-            for cand, seg in self._segments(mantissa_range(e, segs[e], self.config)):
-                u = min(u_cap, floor_root(ratio * (seg.hi + (e > 0)), 2) + (e > h))
+            (rn, rd), u_cap = stat.ratio_terms(segs[e]), max(-u_iv.lo, u_iv.hi)
+            for cand, seg in cls._segments(cfg, mantissa_range(e, segs[e], cfg)):
+                u = min(u_cap, math.isqrt((rn * (seg.hi + (e > 0)) << (2 * h)) // rd) + (e > h))
                 prod, part = max(prod, u * cand.value), max(part, u << cand.hi)
         if rep is not None:
             rep.add("prod_hi", Interval(-part, part))
