@@ -10,8 +10,15 @@ from pathlib import Path
 
 def _demo(args: argparse.Namespace) -> int:
     from qnorm.demo import run_demo
+    from qnorm.train.experiment import run_training
 
-    run_demo(Path(args.out), seed=args.seed)
+    out = Path(args.out)
+    run_demo(out, seed=args.seed)
+    # Train each norm/neuron kind, fold the integer SNN, print the accuracy table.
+    # A folded SNN that predicts differently raises FoldMismatchError (non-zero exit).
+    table = run_training(out / "train", seed=args.seed, quick=args.quick, jobs=1 if args.quick else 2)
+    print("\n## Training: int8 transformer per norm, MPBN SNN unfolded vs folded\n")
+    print(table.to_markdown())
     return 0
 
 
@@ -61,12 +68,16 @@ def _golden(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from qnorm.train.cli import add_train_parser
+
     parser = argparse.ArgumentParser(prog="qnorm", description="Integer and fixed-point normalization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="measure every integer op against its float op; write out/")
     demo.add_argument("--out", default="out", help="directory for the markdown table and the PNG (default: out)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quick", action="store_true", help="train for a few epochs only (smoke test)")
     demo.set_defaults(func=_demo)
+    add_train_parser(sub)
 
     verify = sub.add_parser(
         "verify",

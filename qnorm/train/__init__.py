@@ -1,27 +1,39 @@
 """Training infrastructure: digits data, the two host models, seeded loop, checkpoints.
 
-`qnorm.train.distributed` (DDP) is deliberately not imported here: it is run as
+The names below load on first use (PEP 562): `qnorm.train.cli` must be importable by
+the `qnorm` command without pulling in torch, brevitas and scikit-learn, which take
+seconds to import and are needed only when something actually trains.
+
+`qnorm.train.distributed` (DDP) is deliberately not exported here: it is run as
 `python -m qnorm.train.distributed`, and importing it from the package would make
 runpy warn that the module was already imported.
 """
 
-from qnorm.train.checkpoint import load_checkpoint, read_metadata, save_checkpoint
-from qnorm.train.data import DigitsData, load_digits_data
-from qnorm.train.loop import TrainResult, evaluate, seed_everything, train
-from qnorm.train.models import (
-    build_model,
-    model_spec,
-    neuron_factory,
-    neuron_kinds,
-    norm_factory,
-    norm_kinds,
-    register_neuron,
-    register_norm,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DigitsData", "TrainResult", "build_model", "evaluate", "load_checkpoint",
-    "load_digits_data", "model_spec", "neuron_factory", "neuron_kinds", "norm_factory",
-    "norm_kinds", "read_metadata", "register_neuron", "register_norm", "save_checkpoint",
-    "seed_everything", "train",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load_checkpoint": "checkpoint", "read_metadata": "checkpoint", "save_checkpoint": "checkpoint",
+    "DigitsData": "data", "load_digits_data": "data",
+    "TrainResult": "loop", "evaluate": "loop", "seed_everything": "loop", "train": "loop",
+    "build_model": "models", "model_spec": "models", "neuron_factory": "models",
+    "neuron_kinds": "models", "norm_factory": "models", "norm_kinds": "models",
+    "register_neuron": "models", "register_norm": "models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -125,12 +125,14 @@ def train(
     weight_decay: float = 0.01,
     progress: bool = True,
     num_threads: int = 1,
+    desc: str | None = None,
 ) -> TrainResult:
     """Train `model` in place on `data.train`, then evaluate on `data.test`.
 
     Seeds every RNG with `seed` (data order included) but does not re-initialize
     `model`: seed before building it for a fully reproducible run. Runs with
     `num_threads` intra-op threads (see `torch_threads` for why 1 is the default).
+    `desc` labels the progress bar (default: the model's class name).
     """
     with torch_threads(num_threads):
         seed_everything(seed)
@@ -142,7 +144,7 @@ def train(
         scheduler = make_scheduler(optimizer, epochs * len(loader))
         history: list[float] = []
         start = time.perf_counter()
-        bar = tqdm(range(epochs), desc=f"train {type(model).__name__}", disable=not progress)
+        bar = tqdm(range(epochs), desc=desc or f"train {type(model).__name__}", disable=not progress)
         for _ in bar:
             loss_sum, count = train_epoch(model, loader, optimizer, scheduler)
             history.append(loss_sum / count)

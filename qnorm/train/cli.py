@@ -1,0 +1,75 @@
+"""The `qnorm train` subcommand (wired into `qnorm.cli` by `add_train_parser`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("out/train")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _train(args: argparse.Namespace) -> int:
+    # Imported here so that `qnorm --help` and the other subcommands stay fast
+    # (torch, brevitas and scikit-learn load only for a training run).
+    from qnorm.train.experiment import DEFAULT_KINDS, FoldMismatchError, default_jobs, run_training
+
+    jobs = args.jobs or (1 if args.quick else default_jobs())
+    try:
+        table = run_training(
+            args.out, epochs=args.epochs, seed=args.seed, kinds=args.kinds or DEFAULT_KINDS,
+            quick=args.quick, progress=not args.no_progress, jobs=jobs,
+        )
+    except FoldMismatchError as err:
+        print(f"qnorm train: FAILED: {err}", file=sys.stderr)
+        return 1
+    print(table.to_markdown(), end="")
+    print(f"wrote {table.files['markdown']}, {table.files['json']} and checkpoints under "
+          f"{args.out}")
+    return 0
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `train` to the `qnorm` subcommands; its handler is `args.func(args)` -> exit code.
+
+    An unknown kind or bad setting raises ValueError before anything trains (the main
+    CLI turns it into a one-line error); a folded SNN that predicts differently from
+    the unfolded one exits 1 after the tables are written.
+    """
+    parser = subparsers.add_parser(
+        "train",
+        help="train the digits transformer per norm and the MPBN SNN; write checkpoints and "
+             "an accuracy table",
+        description="Train, on scikit-learn's bundled digits, the int8 transformer once per "
+                    "norm kind and the spiking CNN per neuron kind (the integer MPBN LIF also "
+                    "folded); print and write the accuracy table (accuracy.md, accuracy.json) "
+                    "and pickle-free checkpoints.",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"output directory (default: {DEFAULT_OUT})")
+    parser.add_argument("--epochs", type=_positive,
+                        help="epochs for every model (default: 20 transformer, 8 SNN; "
+                             "--quick: 4 and 2)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the split, the initialization and the data order (default 0)")
+    parser.add_argument("--kinds", nargs="+", metavar="KIND",
+                        help="norm kinds (train the transformer) and neuron kinds (train the "
+                             "SNN); default: float LN, every integer norm (int_ln l1 shift "
+                             "int_rms) and the float and integer MPBN LIF neurons")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke-test size: few epochs on 512 training samples")
+    parser.add_argument("--jobs", type=_positive,
+                        help="models trained in parallel processes, one thread each; results "
+                             "do not depend on it (default: 2 where 2 cores are available; 1 "
+                             "with --quick, where starting workers costs more than it saves)")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    parser.set_defaults(func=_train)
+    return parser
