@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow clean
+.PHONY: venv demo test test-slow bench clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,10 @@ test: $(STAMP)
 # pytest exits 5 when a marker selects nothing; that is not a failure here.
 test-slow: $(STAMP)
 	$(VPY) -m pytest -q -n auto -m slow || [ $$? -eq 5 ]
+
+# Ratios measured in one run (interleaved loops >= 0.5 s, medians); written to out/.
+bench: $(STAMP)
+	$(VPY) -m benchmarks.bench_qat --out out/bench_qat.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

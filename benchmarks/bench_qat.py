@@ -1,0 +1,70 @@
+"""QAT training step with each integer norm vs the same model with float LayerNorm.
+
+The model is the digits transformer (Brevitas int8 linears, 2 pre-norm blocks,
+5 norm layers); one step = forward + backward + AdamW update on a batch of 64.
+Reports ratios measured in one run (goal: <= 1.5x the float-LN step).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks._timing import interleaved
+from qnorm.train.data import load_digits_data
+from qnorm.train.models import build_model
+
+KINDS = ("float", "int_ln", "l1", "shift", "int_rms")
+
+
+def make_step(kind: str, xb: torch.Tensor, yb: torch.Tensor):
+    torch.manual_seed(0)
+    model = build_model("transformer", norm=kind)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for _ in range(3):  # calibrate the input quantizers before timing
+        loss_fn(model(xb), yb).backward()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(xb), yb).backward()
+        opt.step()
+
+    return step
+
+
+def run(rounds: int, min_loop_s: float) -> str:
+    torch.set_num_threads(1)
+    data = load_digits_data("tokens", seed=0)
+    xb, yb = data.train.tensors[0][:64], data.train.tensors[1][:64]
+    times = interleaved({k: make_step(k, xb, yb) for k in KINDS}, rounds, min_loop_s)
+    base = times["float"].median_s
+    lines = [
+        "## QAT training step (digits transformer, batch 64, 1 thread; median of interleaved loops)",
+        "",
+        "| norm | step time | ratio vs float LayerNorm | goal <= 1.5x |",
+        "|---|---|---|---|",
+    ]
+    for k in KINDS:
+        r = times[k].median_s / base
+        lines.append(f"| {k} | {1e3 * times[k].median_s:.2f} ms | {r:.2f}x | {'yes' if r <= 1.5 else 'no'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-loop", type=float, default=0.5, help="seconds per timed loop")
+    parser.add_argument("--out", default="out/bench_qat.md")
+    args = parser.parse_args()
+    text = run(args.rounds, args.min_loop)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
