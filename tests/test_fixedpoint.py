@@ -10,28 +10,9 @@ from hypothesis import strategies as st
 
 from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import Round
+from exact_reference import ALL_MODES, exact_round
 
 
-def exact_round(x: Fraction, mode: Round) -> int:
-    """Reference rounding of an exact rational, written independently of fixedpoint."""
-    fl = math.floor(x)
-    frac = x - fl
-    if mode is Round.FLOOR:
-        return fl
-    if mode is Round.CEIL:
-        return math.ceil(x)
-    if mode is Round.TRUNC:
-        return int(x)  # int() truncates a Fraction toward zero
-    if frac != Fraction(1, 2):
-        return fl + (frac > Fraction(1, 2))
-    if mode is Round.HALF_UP:
-        return fl + 1
-    if mode is Round.HALF_EVEN:
-        return fl + (fl % 2)
-    return fl + 1 if x > 0 else fl  # HALF_AWAY
-
-
-ALL_MODES = list(Round)
 BOUNDARY = [0, 1, -1, 2, -2, 3, -3, 5, -5, 7, -7, 8, -8, 127, -128, 2**31, -(2**31), 2**62 - 1, -(2**62)]
 
 

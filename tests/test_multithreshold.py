@@ -1,6 +1,5 @@
 """BN + quantized activation: exact rational definition == FINN-style multi-threshold."""
 
-import math
 from fractions import Fraction
 
 import numpy as np
@@ -14,27 +13,7 @@ from qnorm.fixedpoint import Round
 from qnorm.ops.bnfold import MAX_GAMMA_SHIFT, RationalBN, level_event
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold, measure_error
 from qnorm.qformat import QFormat
-
-ALL_MODES = list(Round)
-
-
-def exact_round(x: Fraction, mode: Round) -> int:
-    """Reference rounding of an exact rational, independent of qnorm."""
-    fl = math.floor(x)
-    frac = x - fl
-    if mode is Round.FLOOR:
-        return fl
-    if mode is Round.CEIL:
-        return math.ceil(x)
-    if mode is Round.TRUNC:
-        return int(x)
-    if frac != Fraction(1, 2):
-        return fl + (frac > Fraction(1, 2))
-    if mode is Round.HALF_UP:
-        return fl + 1
-    if mode is Round.HALF_EVEN:
-        return fl + (fl % 2)
-    return fl + 1 if x > 0 else fl
+from exact_reference import ALL_MODES, exact_round
 
 
 def bn_z(bn: RationalBN, c: int, x: int) -> Fraction:

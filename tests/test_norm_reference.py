@@ -18,26 +18,7 @@ from qnorm.fixedpoint import Round
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops.shiftnorm import TWO_TERM_FRAC
 from qnorm.qformat import QFormat
-
-ALL_MODES = list(Round)
-
-
-def exact_round(x: Fraction, mode: Round) -> int:
-    fl = math.floor(x)
-    frac = x - fl
-    if mode is Round.FLOOR:
-        return fl
-    if mode is Round.CEIL:
-        return math.ceil(x)
-    if mode is Round.TRUNC:
-        return int(x)
-    if frac != Fraction(1, 2):
-        return fl + (frac > Fraction(1, 2))
-    if mode is Round.HALF_UP:
-        return fl + 1
-    if mode is Round.HALF_EVEN:
-        return fl + (fl % 2)
-    return fl + 1 if x > 0 else fl
+from exact_reference import ALL_MODES, exact_round
 
 
 def exact_rsqrt(m: int, f: int, mode: Round) -> int:
