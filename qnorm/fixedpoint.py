@@ -487,26 +487,31 @@ def reciprocal(d: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND) ->
 RSQRT_MODES = (Round.FLOOR, Round.CEIL, Round.HALF_UP)
 
 
-def rsqrt(v: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND) -> IntLike:
-    """``2**frac_bits / sqrt(v)`` for v >= 1, exactly rounded by ``mode``.
+def rsqrt(v: IntLike, frac_bits: int, mode: Round | str = DEFAULT_ROUND, min_input: int = 1) -> IntLike:
+    """``2**frac_bits / sqrt(v)`` for v >= min_input >= 1, exactly rounded by ``mode``.
 
     floor(sqrt(floor(N / v))) == floor(sqrt(N / v)) for real N/v >= 0, so the floor
     result needs one division and one isqrt; half-up and ceil then decide the last
-    bit with an exact integer comparison (no float, no iteration).
+    bit with an exact integer comparison (no float, no iteration).  A caller that
+    guarantees ``v >= min_input`` (a normalized mantissa) bounds the quotient by
+    N / min_input, which halves the isqrt's digit steps for a 30-bit mantissa.
     """
     mode = Round.parse(mode)
     if mode not in RSQRT_MODES:
         raise ValueError(f"rsqrt supports {[m.value for m in RSQRT_MODES]}, not {mode.value}")
     if not 0 <= frac_bits <= 30:
         raise ValueError(f"rsqrt frac_bits must be in [0, 30], got {frac_bits}")
+    if not isinstance(min_input, int) or min_input < 1:
+        raise ValueError(f"rsqrt min_input must be an integer >= 1, got {min_input!r}")
     _check_int(v, "rsqrt operand")
     v = _as_int64(v)
-    _check_range(v, 1, None, "rsqrt operand (must be >= 1)")
+    _check_range(v, min_input, None, f"rsqrt operand (must be >= {min_input})")
     _check_range(v, 1, 1 << 62, "rsqrt operand", int64_guard=True)
     num = 1 << (2 * frac_bits)
     q = num // v
     rem = num % v  # num / v == q + rem / v, 0 <= rem < v
-    r = isqrt(q, 2 * frac_bits)  # r*r <= q
+    # q <= num / min_input <= 2**(2 frac_bits - floor(log2 min_input))
+    r = isqrt(q, max(2 * frac_bits - (min_input.bit_length() - 1), 0))  # r*r <= q
     if mode is Round.FLOOR:
         return r
     if mode is Round.CEIL:

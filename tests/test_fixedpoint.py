@@ -240,3 +240,20 @@ def test_same_bodies_on_torch_int64():
     assert fp.saturate(torch.from_numpy(v), 8).numpy().tolist() == fp.saturate(v, 8).tolist()
     with pytest.raises(ValueError, match="integer tensor"):
         fp.isqrt(torch.tensor([4.0]))
+
+
+@pytest.mark.parametrize("mode", fp.RSQRT_MODES)
+@given(v=st.integers(1, 2**62), f=st.integers(0, 30), k=st.integers(0, 61))
+@settings(max_examples=300, deadline=None)
+def test_rsqrt_with_a_declared_minimum_is_unchanged(mode, v, f, k):
+    """min_input only shortens the isqrt: the result is the same exact rounding."""
+    floor_v = 1 << min(k, v.bit_length() - 1)  # a true lower bound of v
+    assert fp.rsqrt(v, f, mode, min_input=floor_v) == _exact_rsqrt(v, f, mode)
+    assert fp.rsqrt(np.array([v]), f, mode, min_input=floor_v).tolist() == [_exact_rsqrt(v, f, mode)]
+
+
+def test_rsqrt_refuses_operands_below_the_declared_minimum():
+    with pytest.raises(OverflowError, match="must be >= 16"):
+        fp.rsqrt(np.array([15, 16]), 20, min_input=16)
+    with pytest.raises(ValueError, match="min_input"):
+        fp.rsqrt(5, 10, min_input=0)

@@ -75,7 +75,9 @@ class RsqrtConfig(NormConfig):
 
 
 def rsqrt_inverse(m: Any, cfg: RsqrtConfig, trace: Trace | None) -> Any:
-    return record(trace, "rsqrt", rsqrt(m, cfg.inv_frac_bits, rsqrt_mode(cfg.rounding)))
+    # split_exponent normalizes every mantissa (W = 0 included) to >= 2^(mant_bits-1).
+    min_mant = 1 << (cfg.mant_bits - 1)
+    return record(trace, "rsqrt", rsqrt(m, cfg.inv_frac_bits, rsqrt_mode(cfg.rounding), min_input=min_mant))
 
 
 def rsqrt_inverse_range(m_iv: Interval, cfg: RsqrtConfig) -> Interval:
