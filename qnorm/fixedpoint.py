@@ -371,9 +371,13 @@ class Dyadic:
             raise ValueError(
                 f"constant {x!r} does not fit a signed {mult_bits}-bit multiplier even at shift 0"
             )
-        s = 0
-        while s < max_shift and abs(round_fraction(exact * (1 << (s + 1)))) < limit:
-            s += 1
+        # |round(x 2^s)| never decreases with s, so the answer is the largest fitting
+        # s <= max_shift.  With |x| = f 2^E, f in [1/2, 1): |x| 2^(mult_bits-1-E) is in
+        # [limit/2, limit), and rounding can reach the limit only there: try that shift,
+        # step back at most once.
+        s = min(max_shift, max(mult_bits - 1 - math.frexp(float(x))[1], 0))
+        if abs(round_fraction(exact * (1 << s))) >= limit:
+            s -= 1
         return cls(round_fraction(exact * (1 << s)), s)
 
 

@@ -67,7 +67,14 @@ class QFormat:
         own device (int64 tensor out), anything else with numpy (int64 array out);
         the steps and the float64 values are the same, so are the integers.
         """
+        return self._round_scaled(self.scaled(x), mode)
+
+    def quantize_with_mask(self, x: Any, mode: Round | str = DEFAULT_ROUND) -> tuple[Any, Any]:
+        """:meth:`quantize` and :meth:`in_range` from one scaling pass (the QAT input path)."""
         t = self.scaled(x)
+        return self._round_scaled(t, mode), (t >= self.lo) & (t <= self.hi)
+
+    def _round_scaled(self, t: Any, mode: Round | str) -> Any:
         t = _clip(t, self.lo - 1.0, self.hi + 1.0)  # saturates anyway; keeps floor exact
         q = _clip(round_float(t, mode), self.lo, self.hi)
         return q.to(_torch().int64) if _is_torch(q) else q.astype(np.int64)

@@ -257,3 +257,17 @@ def test_rsqrt_refuses_operands_below_the_declared_minimum():
         fp.rsqrt(np.array([15, 16]), 20, min_input=16)
     with pytest.raises(ValueError, match="min_input"):
         fp.rsqrt(5, 10, min_input=0)
+
+
+@given(x=st.floats(-1e6, 1e6, allow_nan=False, allow_subnormal=True), bits=st.integers(2, 32), cap=st.integers(0, 62))
+@settings(max_examples=2000, deadline=None)
+def test_dyadic_shift_is_the_largest_fitting_one(x, bits, cap):
+    """The closed-form shift equals the plain upward search it replaced."""
+    exact, limit = Fraction(x), 1 << (bits - 1)
+    if exact == 0 or abs(math.floor(exact + Fraction(1, 2))) >= limit:
+        return
+    s = 0
+    while s < cap and abs(math.floor(exact * 2 ** (s + 1) + Fraction(1, 2))) < limit:
+        s += 1
+    d = fp.Dyadic.from_float(x, bits, cap)
+    assert (d.m, d.s) == (math.floor(exact * 2**s + Fraction(1, 2)), s)

@@ -111,3 +111,12 @@ def test_quantize_torch_refusals():
         fmt.quantize(torch.tensor([True]))
     with pytest.raises(ValueError, match="real-valued"):
         fmt.quantize(torch.tensor([1j]))
+
+
+def test_quantize_with_mask_is_quantize_and_in_range():
+    fmt = QFormat(4, 0.5)
+    x = np.array([-5.0, -4.0, -3.75, 0.25, 3.5, 3.75, 9.0])
+    q, mask = fmt.quantize_with_mask(x)
+    assert np.array_equal(q, fmt.quantize(x))
+    assert np.array_equal(mask, fmt.in_range(x))
+    assert mask.tolist() == [False, True, True, True, True, False, False]

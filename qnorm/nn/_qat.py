@@ -163,8 +163,7 @@ def quantize_float(x: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.T
     device, the same float64 steps as on numpy, so the same integers), and
     :meth:`QFormat.in_range`: True where ``x / scale`` was not clipped.
     """
-    t = x.detach().to(torch.float64)
-    return fmt.quantize(t), fmt.in_range(t)
+    return fmt.quantize_with_mask(x.detach().to(torch.float64))
 
 
 def _brevitas_int_quant_tensor() -> type:
