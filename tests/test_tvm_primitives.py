@@ -2,7 +2,7 @@
 
 Every kernel is ``elementwise_func(lambda ...: fixedpoint.f(...))``: the TIR comes
 from the very function bodies the golden models run, and the reference is the same
-function on numpy int64 arrays.  Equality is ``np.array_equal``, never allclose.
+function on numpy int64 arrays, compared with ``np.array_equal`` (bit for bit).
 Kernels compile into a per-module temporary cache, so every run really compiles.
 """
 

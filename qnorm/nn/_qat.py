@@ -570,22 +570,35 @@ class _AllReduceSum(torch.autograd.Function):
         return out, None
 
 
-def synced_batch_norm(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, group: Any = None) -> torch.Tensor:
-    """Float BN of (N, C, ...) ``h`` with the biased statistics of the batch over all ranks.
+def synced_moments(h: torch.Tensor, group: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel ``(centered, mean, biased var, count)`` of (N, C, ...) ``h`` over all ranks.
 
-    The surrogate of a synchronized BN layer (the float twin of ``batch_stats(sync=True)``),
-    differentiable through the reductions like ``SyncBatchNorm``: with DDP's gradient
-    averaging the gradients are those of one process on the concatenated batch (up
-    to float summation order).  The same two-pass rule as
-    :class:`qnorm.train.distributed.GlooSyncBatchNorm` (which lives above ``qnorm.nn``).
+    Two all-reduces, differentiable like ``SyncBatchNorm``: the sum (with the element
+    count) for the mean, then the sum of squared deviations; two passes instead of
+    E[x^2] - E[x]^2 avoid cancellation, and all-reduce results are bitwise equal on
+    every rank.  Shared by :func:`synced_batch_norm` and
+    :class:`qnorm.train.distributed.GlooSyncBatchNorm`.
     """
     c = h.shape[1]
     dims = [0, *range(2, h.dim())]
     shape = [1, c] + [1] * (h.dim() - 2)
     total = _AllReduceSum.apply(torch.cat([h.sum(dims), h.new_tensor([h.numel() // c])]), group)
     count = total[c]
-    centered = h - (total[:c] / count).view(shape)
+    mean = total[:c] / count
+    centered = h - mean.view(shape)
     var = _AllReduceSum.apply((centered * centered).sum(dims), group) / count
+    return centered, mean, var, count
+
+
+def synced_batch_norm(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float, group: Any = None) -> torch.Tensor:
+    """Float BN of (N, C, ...) ``h`` with the biased statistics of the batch over all ranks.
+
+    The surrogate of a synchronized BN layer (the float twin of ``batch_stats(sync=True)``):
+    with DDP's gradient averaging the gradients are those of one process on the
+    concatenated batch (up to float summation order).
+    """
+    centered, _, var, _ = synced_moments(h, group)
+    shape = [1, h.shape[1]] + [1] * (h.dim() - 2)
     return centered * torch.rsqrt(var + eps).view(shape) * w.view(shape) + b.view(shape)
 
 

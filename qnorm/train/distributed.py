@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
+from qnorm.nn._qat import synced_moments
 from qnorm.train.checkpoint import save_checkpoint
 from qnorm.train.data import DigitsData, load_digits_data
 from qnorm.train.loop import (
@@ -55,35 +56,13 @@ from qnorm.train.models import build_model
 DEFAULT_LR = {"transformer": 5e-3, "snn": 3e-3}
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Differentiable sum over ranks: the gradient of a sum is the sum of gradients.
-
-    (torch.distributed.nn.functional.all_reduce does the same but is deprecated.)
-    """
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        out = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=ctx.group)
-        return out, None
-
-
 class GlooSyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics span all ranks; works on CPU with gloo.
 
     Outside training, or without an initialized process group, it is plain
     BatchNorm (same state_dict keys, so checkpoints load into unconverted models).
-    Two all-reduces per call: the sum (and element count) for the mean, then the
-    sum of squared deviations for the biased variance. Two passes instead of
-    E[x^2] - E[x]^2 avoid cancellation; all-reduce results are bitwise equal on all
-    ranks, so the running statistics stay bitwise equal too.
+    The statistics come from :func:`qnorm.nn._qat.synced_moments` (two all-reduces,
+    bitwise equal on all ranks), so the running statistics stay bitwise equal too.
     """
 
     def __init__(
@@ -107,15 +86,8 @@ class GlooSyncBatchNorm(_BatchNorm):
             return super().forward(x)
         self._check_input_dim(x)
         group = self.process_group or dist.group.WORLD
-        channels = x.shape[1]
-        dims = [0, *range(2, x.dim())]
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        local = torch.cat([x.sum(dims), x.new_tensor([x.numel() // channels])])
-        total = _AllReduceSum.apply(local, group)
-        count = total[channels]
-        mean = total[:channels] / count
-        centered = x - mean.view(shape)
-        var = _AllReduceSum.apply((centered * centered).sum(dims), group) / count
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        centered, mean, var, count = synced_moments(x, group)
         y = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
