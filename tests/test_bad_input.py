@@ -104,3 +104,9 @@ def test_quantizing_nan_or_inf_floats_is_refused():
         IN8.quantize(np.array([0.1, np.nan, 0.3]))
     with pytest.raises(ValueError, match="non-finite"):
         IN8.quantize(np.array([np.inf]))
+
+
+@pytest.mark.parametrize("cls", NORMS)
+def test_unknown_norm_options_are_refused_by_name(cls):
+    with pytest.raises(ValueError, match=r"has no option\(s\) \['inv_bitz'\]"):
+        cls.from_float(np.ones(N), np.zeros(N), 1e-5, IN8, inv_bitz=3)

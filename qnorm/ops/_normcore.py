@@ -610,6 +610,7 @@ class NormOp(IntOp):
 
     config_cls: ClassVar[type[NormConfig]]
     inverse_name: ClassVar[str]
+    op_defaults: ClassVar[dict[str, Any]]  # the op's own from_float options and defaults
 
     def __init__(self, config: NormConfig, params: FloatParams) -> None:
         if not isinstance(config, self.config_cls):
@@ -626,6 +627,36 @@ class NormOp(IntOp):
         self._stat_bits = max(1, report["stat"].hi.bit_length())
 
     # ---- construction from floats
+
+    @classmethod
+    def from_float(
+        cls,
+        gamma: Any,
+        beta: Any = None,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        mult_bits: int = 16,
+        rounding: Round | str = DEFAULT_ROUND,
+        **options: Any,
+    ) -> NormOp:
+        """Quantize float γ (N,), β (N,) or None, and ε >= 0 into an op.
+
+        ε is in the real units of the op's statistic: σ² for LayerNorm and the shift
+        norm, x² for RMSNorm, σ for L1.  ``options`` are the op's own fields with
+        their defaults in ``op_defaults`` (``inv_bits``; ``partial`` for RMSNorm;
+        ``mantissa_terms`` for the shift norm).
+        """
+        unknown = sorted(set(options) - set(cls.op_defaults))
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no option(s) {unknown}; its options: {sorted(cls.op_defaults)}")
+        return cls._build(
+            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding,
+            **{**cls.op_defaults, **options},
+        )
 
     @classmethod
     def _build(

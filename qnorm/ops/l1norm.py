@@ -33,10 +33,8 @@ from typing import Any
 import numpy as np
 
 from qnorm.analysis import Interval, RangeReport
-from qnorm.fixedpoint import DEFAULT_ROUND, Round, reciprocal
+from qnorm.fixedpoint import reciprocal
 from qnorm.ops._normcore import (
-    DEFAULT_IN,
-    DEFAULT_OUT,
     NormConfig,
     NormOp,
     StatBounds,
@@ -46,7 +44,6 @@ from qnorm.ops._normcore import (
 )
 from qnorm.ops._xp import absolute, row_sum
 from qnorm.ops.base import Trace, record
-from qnorm.qformat import QFormat
 
 # 1/c = sqrt(2/π) as the float64 it rounds to: the one irrational constant, taken
 # at its exact binary value (IEEE-754 sqrt is correctly rounded: reproducible).
@@ -101,26 +98,7 @@ class L1LayerNorm(NormOp):
     name = "l1_layernorm"
     config_cls = L1NormConfig
     inverse_name = "recip"
-
-    @classmethod
-    def from_float(
-        cls,
-        gamma: Any,
-        beta: Any = None,
-        eps: float = 1e-5,
-        in_fmt: QFormat = DEFAULT_IN,
-        out_fmt: QFormat = DEFAULT_OUT,
-        *,
-        frac_bits: int | None = None,
-        mant_bits: int | None = None,
-        inv_bits: int = 16,
-        mult_bits: int = 16,
-        rounding: Round | str = DEFAULT_ROUND,
-    ) -> L1LayerNorm:
-        """Quantize float γ (N,), β (N,) or None, ε >= 0 (real units of σ)."""
-        return cls._build(
-            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, inv_bits=inv_bits
-        )
+    op_defaults = {"inv_bits": 16}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         _, d = centered(x, self.config.n, trace)

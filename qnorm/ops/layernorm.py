@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 
 from qnorm.analysis import Interval, RangeReport
-from qnorm.fixedpoint import DEFAULT_ROUND, Round, rsqrt
+from qnorm.fixedpoint import Round, rsqrt
 from qnorm.ops._normcore import (
-    DEFAULT_IN,
-    DEFAULT_OUT,
     NormConfig,
     NormOp,
     StatBounds,
@@ -45,7 +43,6 @@ from qnorm.ops._normcore import (
 )
 from qnorm.ops._xp import row_sum
 from qnorm.ops.base import Trace, record
-from qnorm.qformat import QFormat
 
 # fixedpoint.rsqrt forms 2^(2 F_r) in int64, so F_r = mant_bits/2 + inv_bits <= 30.
 MAX_RSQRT_FRAC = 30
@@ -147,26 +144,7 @@ class IntLayerNorm(NormOp):
     name = "int_layernorm"
     config_cls = LayerNormConfig
     inverse_name = "rsqrt"
-
-    @classmethod
-    def from_float(
-        cls,
-        gamma: Any,
-        beta: Any = None,
-        eps: float = 1e-5,
-        in_fmt: QFormat = DEFAULT_IN,
-        out_fmt: QFormat = DEFAULT_OUT,
-        *,
-        frac_bits: int | None = None,
-        mant_bits: int | None = None,
-        inv_bits: int = 15,
-        mult_bits: int = 16,
-        rounding: Round | str = DEFAULT_ROUND,
-    ) -> IntLayerNorm:
-        """Quantize float γ (N,), β (N,) or None, ε >= 0 (real units of σ²)."""
-        return cls._build(
-            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, inv_bits=inv_bits
-        )
+    op_defaults = {"inv_bits": 15}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s, d = centered(x, self.config.n, trace)

@@ -32,10 +32,7 @@ from typing import Any
 import numpy as np
 
 from qnorm.analysis import Interval, RangeReport
-from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.ops._normcore import (
-    DEFAULT_IN,
-    DEFAULT_OUT,
     NormConfig,
     NormOp,
     StatBounds,
@@ -43,7 +40,6 @@ from qnorm.ops._normcore import (
 from qnorm.ops._xp import row_sum, take_prefix
 from qnorm.ops.base import Trace, record
 from qnorm.ops.layernorm import RsqrtConfig, rsqrt_inverse, rsqrt_inverse_range
-from qnorm.qformat import QFormat
 
 
 @dataclass(frozen=True)
@@ -81,37 +77,7 @@ class IntRMSNorm(NormOp):
     name = "int_rmsnorm"
     config_cls = RMSNormConfig
     inverse_name = "rsqrt"
-
-    @classmethod
-    def from_float(
-        cls,
-        gamma: Any,
-        beta: Any = None,
-        eps: float = 1e-5,
-        in_fmt: QFormat = DEFAULT_IN,
-        out_fmt: QFormat = DEFAULT_OUT,
-        *,
-        partial: float = 1.0,
-        frac_bits: int | None = None,
-        mant_bits: int | None = None,
-        inv_bits: int = 15,
-        mult_bits: int = 16,
-        rounding: Round | str = DEFAULT_ROUND,
-    ) -> IntRMSNorm:
-        """Quantize float γ (N,), β (N,) or None (RMSNorm has none), ε >= 0 (units of x²)."""
-        return cls._build(
-            gamma,
-            beta,
-            eps,
-            in_fmt,
-            out_fmt,
-            frac_bits,
-            mant_bits,
-            mult_bits,
-            rounding,
-            inv_bits=inv_bits,
-            partial=partial,
-        )
+    op_defaults = {"partial": 1.0, "inv_bits": 15}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         head = take_prefix(x, self.config.prefix)

@@ -34,10 +34,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from qnorm.analysis import Interval, RangeReport
-from qnorm.fixedpoint import DEFAULT_ROUND, Round, select
+from qnorm.fixedpoint import select
 from qnorm.ops._normcore import (
-    DEFAULT_IN,
-    DEFAULT_OUT,
     FloatParams,
     NormConfig,
     NormOp,
@@ -53,7 +51,6 @@ from qnorm.ops.layernorm import (
     variance_eps,
     variance_ranges,
 )
-from qnorm.qformat import QFormat
 
 # Fraction bits of the two-term mantissa: terms down to 2^-4 of the leading one.
 # Finer terms only refine the values next to 1 and 1/2; the worst gap (5/4 to 3/2)
@@ -186,6 +183,7 @@ class ShiftLayerNorm(NormOp):
     name = "shift_layernorm"
     config_cls = ShiftNormConfig
     inverse_name = "rsqrt_pow2"
+    op_defaults = {"mantissa_terms": 2}
 
     def __init__(self, config: ShiftNormConfig, params: FloatParams) -> None:
         super().__init__(config, params)
@@ -197,36 +195,6 @@ class ShiftLayerNorm(NormOp):
         # 0 where it is zero (else -1)
         self._neg = negate_mask(self._sign)
         self._keep = nonzero_mask(self._sign)
-
-    @classmethod
-    def from_float(
-        cls,
-        gamma: Any,
-        beta: Any = None,
-        eps: float = 1e-5,
-        in_fmt: QFormat = DEFAULT_IN,
-        out_fmt: QFormat = DEFAULT_OUT,
-        *,
-        mantissa_terms: int = 2,
-        frac_bits: int | None = None,
-        mant_bits: int | None = None,
-        mult_bits: int = 16,
-        rounding: Round | str = DEFAULT_ROUND,
-    ) -> ShiftLayerNorm:
-        """Quantize float γ (N,), β (N,) or None, ε >= 0; gains become ±2^l with
-        l <= mult_bits − 2 on one shared shift."""
-        return cls._build(
-            gamma,
-            beta,
-            eps,
-            in_fmt,
-            out_fmt,
-            frac_bits,
-            mant_bits,
-            mult_bits,
-            rounding,
-            mantissa_terms=mantissa_terms,
-        )
 
     @classmethod
     def _quantize_gain(cls, gains: np.ndarray, mult_bits: int, max_shift: int) -> tuple[tuple[int, ...], int]:
