@@ -39,14 +39,14 @@ def staged_compute(shape: Sequence[Any], fcompute: Callable[..., Any], name: str
     root = tvm.runtime.convert(fcompute(*axes))  # a tensor element becomes a load; an int stays
     if not isinstance(root, tvm.ir.Expr):
         return te.compute(shape, lambda *idx: root, name=name)
-    shared = _shared_nodes_in_post_order(root)
+    shared = shared_nodes_in_post_order(root)
 
     stages: dict[int, te.Tensor] = {}
     for j, node in enumerate(shared):
         stages[node.__chandle__()] = te.compute(
-            shape, _rebuilder(node, axes, stages), name=f"{name}_s{j}"
+            shape, rebuilder(node, axes, stages), name=f"{name}_s{j}"
         )
-    return te.compute(shape, _rebuilder(root, axes, stages), name=name)
+    return te.compute(shape, rebuilder(root, axes, stages), name=name)
 
 
 def elementwise_func(
@@ -78,7 +78,7 @@ def _stageable(node: Any) -> bool:
     return isinstance(ty, tvm.ir.PrimType) and str(ty) != "bool" and not _is_leaf(node)
 
 
-def _shared_nodes_in_post_order(root: tvm.ir.Expr) -> list[tvm.ir.Expr]:
+def shared_nodes_in_post_order(root: tvm.ir.Expr) -> list[tvm.ir.Expr]:
     """Stageable nodes reached along more than one DAG edge, producers first.
 
     One structural visit with a visited set: each node's children are visited
@@ -107,11 +107,15 @@ def _shared_nodes_in_post_order(root: tvm.ir.Expr) -> list[tvm.ir.Expr]:
     return [n for n in order if uses[n.__chandle__()] > 1 and _stageable(n)]
 
 
-def _rebuilder(
+def rebuilder(
     node: tvm.ir.Expr, axes: list[tirx.Var], stages: dict[int, te.Tensor]
 ) -> Callable[..., Any]:
     """fcompute for ``node``'s stage: ``node`` with staged children loaded and the
-    placeholder ``axes`` replaced by the stage's own index variables."""
+    placeholder ``axes`` replaced by the stage's own index variables.
+
+    A stage may span only the leading axes (e.g. a per-row stage of a row-wise
+    kernel): it is loaded with as many indices as it has dimensions.
+    """
     own = node.__chandle__()
     axis_keys = [a.__chandle__() for a in axes]
 
@@ -128,7 +132,8 @@ def _rebuilder(
             if key in by_axis:
                 return by_axis[key]
             if key != own and key in stages:
-                return tvm.runtime.convert(stages[key][tuple(idx)])
+                stage = stages[key]
+                return tvm.runtime.convert(stage[tuple(idx[: len(stage.shape)])])
             if key not in memo:
                 memo[key] = mutator.default_mutate(x)
             return memo[key]

@@ -20,7 +20,7 @@ import tvm
 import tvm_ffi
 from tvm import te, tirx
 
-from compilers.tvm.primitives import _shared_nodes_in_post_order
+from compilers.tvm.primitives import rebuilder, shared_nodes_in_post_order
 
 
 def row_staged_compute(
@@ -32,15 +32,12 @@ def row_staged_compute(
     """
     row, col = tirx.Var(f"{name}_i0", "int64"), tirx.Var(f"{name}_i1", "int64")
     root = tvm.runtime.convert(fcompute(row, col))
-    stages: dict[int, tuple[te.Tensor, bool]] = {}  # node address -> (stage, per_row)
-    for j, node in enumerate(_shared_nodes_in_post_order(root)):
+    stages: dict[int, te.Tensor] = {}  # node address -> stage, (rows,) or (rows, N)
+    for j, node in enumerate(shared_nodes_in_post_order(root)):
         per_row = not _uses(node, col)
         shape, kind = ((rows,), "r") if per_row else ((rows, n), "s")
-        stages[node.__chandle__()] = (
-            te.compute(shape, _rebuilder(node, row, col, stages), name=f"{name}_{kind}{j}"),
-            per_row,
-        )
-    return te.compute((rows, n), _rebuilder(root, row, col, stages), name=name)
+        stages[node.__chandle__()] = te.compute(shape, rebuilder(node, [row, col], stages), name=f"{name}_{kind}{j}")
+    return te.compute((rows, n), rebuilder(root, [row, col], stages), name=name)
 
 
 def _uses(node: Any, var: tirx.Var) -> bool:
@@ -64,36 +61,3 @@ def _uses(node: Any, var: tirx.Var) -> bool:
 
     tvm_ffi.structural_visit(node, visit)
     return found
-
-
-def _rebuilder(
-    node: Any, row: tirx.Var, col: tirx.Var, stages: dict[int, tuple[te.Tensor, bool]]
-) -> Callable[..., Any]:
-    """fcompute of ``node``'s stage (or of the output, for the root): staged children
-    become loads indexed by the row alone or by (row, column)."""
-    own = node.__chandle__()
-
-    def fcompute(*idx: tirx.Var) -> Any:
-        axes = {row.__chandle__(): idx[0]}
-        if len(idx) > 1:
-            axes[col.__chandle__()] = idx[1]
-        memo: dict[int, Any] = {}
-
-        def mutate(x: Any, mutator: tvm_ffi.StructuralMutator) -> Any:
-            if isinstance(x, te.Tensor):
-                return x
-            if not isinstance(x, tvm.ir.Expr):
-                return mutator.default_mutate(x)
-            key = x.__chandle__()
-            if key in axes:
-                return axes[key]
-            if key != own and key in stages:
-                stage, per_row = stages[key]
-                return tvm.runtime.convert(stage[idx[0]] if per_row else stage[idx[0], idx[1]])
-            if key not in memo:
-                memo[key] = mutator.default_mutate(x)
-            return memo[key]
-
-        return tvm_ffi.structural_mutate(node, mutate)
-
-    return fcompute
