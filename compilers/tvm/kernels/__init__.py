@@ -2,6 +2,8 @@
 
 ``kernel_for(op)`` builds the kernel of one op instance (a :class:`~._base.Kernel`:
 the scheduled IRModule and the per-channel constants it takes as arguments);
+``kernel_for(op, schedule)`` lays its loops out for a kind of target
+(:mod:`compilers.tvm.schedules`; the CPU one by default);
 ``kernel_for(op).build(target)`` compiles it through the build cache and returns
 a callable that maps the op's integer input to its output.  Every constant and
 stage comes from the op instance at build time (see :mod:`.norms` and
@@ -19,6 +21,7 @@ from compilers.tvm.kernels.bnfold import (
     multithreshold_kernel,
 )
 from compilers.tvm.kernels.norms import norm_kernel
+from compilers.tvm.schedules import CPU, Schedule
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import _LIFNeuron
@@ -31,11 +34,12 @@ _BUILDERS: tuple[tuple[type, Any], ...] = (
 )
 
 
-def kernel_for(op: Any) -> Kernel:
-    """The CPU kernel of ``op`` (any golden op of qnorm.ops)."""
+def kernel_for(op: Any, schedule: Schedule = CPU) -> Kernel:
+    """The kernel of ``op`` (any golden op of qnorm.ops), its loops laid out by
+    ``schedule`` (default: the vector CPU schedule)."""
     for cls, builder in _BUILDERS:
         if isinstance(op, cls):
-            return builder(op)
+            return builder(op, schedule)
     raise NotImplementedError(f"no TVM kernel for {type(op).__name__}")
 
 

@@ -15,9 +15,10 @@ A kernel is refused for an op class whose mirrored method is overridden.
 * **BNQuant** — ``clamp(div_round(P_c x + Q_c, Den_c))`` per element; the
   exact integer division has no SIMD instruction, so this kernel is scalar
   at heart (the folded MultiThreshold is the fast form of the same op).
-* **Folded / unfolded LIF** — one kernel runs all T time steps: rows (the
-  batch) in parallel, time serial inside, the channels vectorized, the
-  membrane of a row held in a row-local buffer.  Each step is three vector
+* **Folded / unfolded LIF** — one kernel runs all T time steps: a loop over
+  rows (the batch; the schedule's ``rows``: parallel on CPUs), time serial
+  inside, the channels in the schedule's ``channels`` loops (vectorized on
+  CPUs), the membrane of a row held in a row-local buffer.  Each step is three vector
   loops (integrate, spike, reset) through row buffers rather than one loop
   with local variables: TVM 0.27's vectorizer keeps a ``Let``-bound value
   inside a vectorized loop scalar (every lane gets lane 0's value), silently.
@@ -33,7 +34,6 @@ from tvm import te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-from compilers.tvm.cpu import schedule_rowwise
 from compilers.tvm.kernels._base import (
     ChannelConst,
     Kernel,
@@ -42,19 +42,19 @@ from compilers.tvm.kernels._base import (
     load64,
     wider,
 )
+from compilers.tvm.schedules import CPU, Schedule
 from qnorm import fixedpoint as fp
 from qnorm.analysis import Interval
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, MPBNNeuron, _LIFNeuron
 
 SPIKE_DTYPE = "int8"  # the golden neuron returns int8 spikes
-LANES = 8  # the neuron computes in int64: 8 lanes fill one 512-bit register
 
 
 # --------------------------------------------------------------------------- BN + activation
 
 
-def multithreshold_kernel(op: MultiThreshold) -> Kernel:
+def multithreshold_kernel(op: MultiThreshold, schedule: Schedule = CPU) -> Kernel:
     """``main(x, thresholds, negative, out)``: x (rows, C) → levels (rows, C)."""
     _require_forward(op, MultiThreshold)
     cfg, c_count = op.cfg, int(np.prod(op.bn.shape))
@@ -86,7 +86,7 @@ def multithreshold_kernel(op: MultiThreshold) -> Kernel:
     func = te.create_prim_func([x, thr_t, neg_t, out])
     return Kernel(
         op,
-        schedule_rowwise(func, "out"),
+        schedule.rowwise(func, "out"),
         (thr.array(), neg.array()),
         in_dtype,
         out_dtype,
@@ -94,7 +94,7 @@ def multithreshold_kernel(op: MultiThreshold) -> Kernel:
     )
 
 
-def bnquant_kernel(op: BNQuant) -> Kernel:
+def bnquant_kernel(op: BNQuant, schedule: Schedule = CPU) -> Kernel:
     """``main(x, slope, offset, den, out)``: the exact rational BN + rounding + clamp."""
     _require_forward(op, BNQuant)
     cfg, c_count = op.cfg, int(np.prod(op.bn.shape))
@@ -115,7 +115,7 @@ def bnquant_kernel(op: BNQuant) -> Kernel:
     func = te.create_prim_func([x, slope, offset, den, out])
     return Kernel(
         op,
-        schedule_rowwise(func, "out"),
+        schedule.rowwise(func, "out"),
         tuple(c.array() for c in consts),
         in_dtype,
         out_dtype,
@@ -154,7 +154,7 @@ _FIRES: dict[Any, Callable[[Any], tuple[dict[str, np.ndarray], Fires]]] = {
 }
 
 
-def lif_kernel(op: _LIFNeuron) -> Kernel:
+def lif_kernel(op: _LIFNeuron, schedule: Schedule = CPU) -> Kernel:
     """``main(x, *consts, spikes)``: currents (T, rows, C) → spikes (T, rows, C), T symbolic.
 
     Mirrors ``_LIFNeuron._forward``'s loop over T: the membrane starts at u_rest;
@@ -193,10 +193,11 @@ def lif_kernel(op: _LIFNeuron) -> Kernel:
         }
         spikes = T.match_buffer(handles[-1], (steps, rows, c_count), SPIKE_DTYPE)
 
-        with T.parallel(0, rows) as r:
-            state = IRBuilder.name("state", T.alloc_buffer((c_count,), state_dtype))
-            pre = IRBuilder.name("pre", T.alloc_buffer((c_count,), pre_dtype))
-            _vector_loop(
+        with schedule.rows(rows) as r:
+            scope = schedule.scratch_scope
+            state = IRBuilder.name("state", T.alloc_buffer((c_count,), state_dtype, scope=scope))
+            pre = IRBuilder.name("pre", T.alloc_buffer((c_count,), pre_dtype, scope=scope))
+            schedule.channels(
                 c_count,
                 lambda c: T.buffer_store(state, T.int64(cfg.u_rest).astype(state_dtype), [c]),
             )
@@ -220,7 +221,7 @@ def lif_kernel(op: _LIFNeuron) -> Kernel:
                     T.buffer_store(state, nxt.astype(state_dtype), [c])
 
                 for body in (integrate, spike, reset):
-                    _vector_loop(c_count, body)
+                    schedule.channels(c_count, body)
     func = ib.get().with_attr("tirx.noalias", True)
     return Kernel(
         op,
@@ -232,21 +233,6 @@ def lif_kernel(op: _LIFNeuron) -> Kernel:
         time_major=True,
         check_shape=op._check_input,
     )
-
-
-def _vector_loop(n: int, body: Callable[[Any], None]) -> None:
-    """``body(c)`` for c in [0, n): register-sized vectorized loops, then the tail.
-
-    One vectorized loop over all n would become one n-lane vector, which LLVM
-    legalizes with long shuffle sequences (see ``compilers.tvm.cpu``).
-    """
-    main = n - n % LANES
-    if main:
-        with T.serial(0, main // LANES) as co, T.vectorized(0, LANES) as ci:
-            body(co * LANES + ci)
-    if n > main:
-        with T.vectorized(0, n - main) as ci:
-            body(main + ci)
 
 
 def _channel(bufs: dict[str, Any], c: Any) -> Callable[[str], Any]:

@@ -38,11 +38,11 @@ from typing import Any
 
 from tvm import te
 
-from compilers.tvm.cpu import schedule_rowwise
 from compilers.tvm.kernels._base import ChannelConst, Kernel, fit, fmt_dtype, load64
 from compilers.tvm.kernels._rows import Rows
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
+from compilers.tvm.schedules import CPU, Schedule
 from qnorm.analysis import Interval
 from qnorm.fixedpoint import rshift_round, saturate
 from qnorm.ops._normcore import NormOp, add_eps, shift_numerator, split_exponent
@@ -78,7 +78,7 @@ def _keep(v: Any, iv: Interval) -> Any:
     return v
 
 
-def norm_kernel(op: NormOp) -> Kernel:
+def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     """``main(x, *consts, out)`` for one norm instance: x (rows, N) → out (rows, N)."""
     cls = type(op)
     if (
@@ -154,7 +154,7 @@ def norm_kernel(op: NormOp) -> Kernel:
     func = te.create_prim_func([x, *bufs.values(), out])
     return Kernel(
         op=op,
-        mod=schedule_rowwise(func, "out"),
+        mod=schedule.rowwise(func, "out"),
         consts=tuple(c.array() for c in consts),
         in_dtype=fmt_dtype(cfg.in_fmt),
         out_dtype=fmt_dtype(cfg.out_fmt),

@@ -1,0 +1,84 @@
+"""How a kernel's loops map to a machine: one :class:`Schedule` per kind of target.
+
+A kernel's arithmetic is target-independent (the op's own fixedpoint code on
+TIR); only its loop structure differs between a vector CPU (rows in parallel,
+channels in SIMD lanes), a GPU (a block per row, threads over channels) and
+plain C for HLS (serial loops an HLS tool pipelines itself).  Kernels are built
+in two ways, and a schedule says what to do for each:
+
+* **Stage kernels** (the norms, MultiThreshold, BNQuant) are TE stages ending in
+  an output block named ``"out"``; ``rowwise(func, "out")`` schedules them.
+* **Loop kernels** (the LIF neurons: a time loop carrying membrane state) are
+  written as loops directly; ``rows`` opens the loop over rows and ``channels``
+  runs a body for every channel of a row, the row's scratch buffers living in
+  ``scratch_scope``.  Each channel body only touches its own channel's
+  scratch element, so consecutive channel loops need no synchronization.
+
+:data:`CPU` is the schedule of :mod:`compilers.tvm.cpu`; other targets define
+their own next to their code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import tvm
+from tvm import tirx
+from tvm.script.ir_builder import tirx as T
+
+from compilers.tvm.cpu import schedule_rowwise
+
+ChannelBody = Callable[[Any], None]
+
+CPU_LANES = 8  # the neuron computes in int64: 8 lanes fill one 512-bit register
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    rowwise: Callable[[tirx.PrimFunc, str], tvm.IRModule]
+    rows: Callable[[Any], AbstractContextManager[Any]]
+    channels: Callable[[int, ChannelBody], None]
+    scratch_scope: str = "global"
+
+
+def vector_channels(n: int, body: ChannelBody) -> None:
+    """``body(c)`` for c in [0, n): register-sized vectorized loops, then the tail.
+
+    One vectorized loop over all n would become one n-lane vector, which LLVM
+    legalizes with long shuffle sequences (see ``compilers.tvm.cpu``).
+    """
+    main = n - n % CPU_LANES
+    if main:
+        with T.serial(0, main // CPU_LANES) as co, T.vectorized(0, CPU_LANES) as ci:
+            body(co * CPU_LANES + ci)
+    if n > main:
+        with T.vectorized(0, n - main) as ci:
+            body(main + ci)
+
+
+def serial_channels(n: int, body: ChannelBody) -> None:
+    """``body(c)`` for c in [0, n) in one plain loop."""
+    with T.serial(0, n) as c:
+        body(c)
+
+
+def _parallel_rows(extent: Any) -> AbstractContextManager[Any]:
+    return T.parallel(0, extent)
+
+
+def _serial_rows(extent: Any) -> AbstractContextManager[Any]:
+    return T.serial(0, extent)
+
+
+def _unscheduled(func: tirx.PrimFunc, output: str) -> tvm.IRModule:
+    return tvm.IRModule({"main": func})
+
+
+CPU = Schedule("cpu", schedule_rowwise, _parallel_rows, vector_channels)
+# Loops as written: every stage over all rows, then the next; a reference point
+# for other schedules and the input of targets that schedule for themselves.
+SERIAL = Schedule("serial", _unscheduled, _serial_rows, serial_channels)

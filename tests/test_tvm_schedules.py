@@ -1,0 +1,44 @@
+"""The schedule hook: one kernel definition, laid out per kind of target.
+
+The same op built with the serial schedule (loops as written, as plain C for
+HLS would have them) and with the CPU schedule must give the same integers as
+the golden op: the schedule moves loops, never arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+
+from compilers.tvm.build import build
+from compilers.tvm.kernels import kernel_for
+from compilers.tvm.kernels._base import CompiledKernel
+from compilers.tvm.schedules import CPU, SERIAL
+from qnorm.targets import load_target
+from qnorm.verify.cases import case_named
+from qnorm.verify.vectors import random_inputs
+
+ONE_PER_FAMILY = (
+    "int_layernorm.int8.n64",
+    "shift_layernorm.int8.n64.m2",
+    "bn_quant.int8.c16.relu4",
+    "multithreshold.int8.c16.s3.floor",
+    "mpbn_lif.int8.c16.soft.gt.noleak",
+)
+
+
+@pytest.mark.parametrize("name", ONE_PER_FAMILY)
+def test_serial_and_cpu_schedules_agree_with_golden(name: str) -> None:
+    case = case_named(name)
+    op = case.build()
+    x = random_inputs(case, np.random.default_rng(case.seed), 64)
+    want = op.forward(x)
+    host = load_target("x86_64")
+    serial = kernel_for(op, SERIAL)
+    script = serial.mod.script()
+    assert "T.parallel" not in script and "T.vectorized" not in script
+    assert "T.parallel" in kernel_for(op, CPU).mod.script()
+    got = CompiledKernel(serial, build(serial.mod, host))(x)
+    assert np.array_equal(got, want)
