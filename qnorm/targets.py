@@ -142,6 +142,16 @@ def load_target(name: str, directory: Path = TARGETS_DIR, cpuinfo: str | None = 
     return load_target_file(directory / f"{name}.toml", cpuinfo=cpuinfo)
 
 
+def debian_packages(directory: Path = TARGETS_DIR) -> list[str]:
+    """Every Debian package the targets in ``directory`` build or run with, sorted
+    (what ``make toolchains`` installs)."""
+    needed: set[str] = set()
+    for name in known_targets(directory):
+        target = load_target(name, directory)
+        needed.update(target.build.debian_packages, target.run.debian_packages)
+    return sorted(needed)
+
+
 def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
     """Parse and validate one description; every error names the file and field."""
     path = Path(path)

@@ -290,3 +290,10 @@ def test_tvm_accepts_the_description(name):
         assert {"x86_64": "%rdi", "aarch64": "adrp", "riscv64": "auipc"}[name] in asm
         if name == "riscv64":
             assert "rv64i2p1_m2p0_a2p1_f2p2_d2p2_c2p0" in asm  # mattr = RV64GC honoured
+
+
+def test_debian_packages_is_the_union_of_build_and_run_packages(tmp_path):
+    body = VALID.replace('cc = "gcc"', 'cc = "gcc"\ndebian_packages = ["b-pkg", "shared"]')
+    body = body.replace('method = "native"', 'method = "native"\ndebian_packages = ["a-pkg", "shared"]')
+    write(tmp_path, body)
+    assert tg.debian_packages(tmp_path) == ["a-pkg", "b-pkg", "shared"]
