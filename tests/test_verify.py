@@ -299,6 +299,7 @@ def test_unimplemented_and_unavailable_targets_skip_with_reason(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(backends, "_KERNELS", "compilers.tvm.kernels_absent")
+    monkeypatch.delitem(backends._REGISTRY, "aarch64", raising=False)  # a target without a backend
     rc, out, _ = _run(
         capsys, "verify", "--target", "aarch64", "x86_64", "--case", SMALL[1], "--elements", FEW, "--json"
     )
@@ -311,7 +312,8 @@ def test_unimplemented_and_unavailable_targets_skip_with_reason(
     assert report["columns"]["x86_64"]["available"] is False
 
 
-def test_matrix_text(capsys: pytest.CaptureFixture[str]) -> None:
+def test_matrix_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delitem(backends._REGISTRY, "cuda", raising=False)  # a target without a backend
     rc, out, _ = _run(capsys, "verify", "--target", "cuda", "--case", *SMALL, "--elements", FEW)
     assert rc == 0
     lines = out.splitlines()
