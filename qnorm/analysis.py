@@ -2,7 +2,9 @@
 
 Each op builds a :class:`RangeReport` from its config alone (bit widths, row length,
 quantized parameters).  Construction refuses any config whose intermediates would
-not fit int64; a target can ask for a narrower accumulator (``check(acc_bits=32)``).
+not fit int64; a target can ask for a narrower accumulator (``check(acc_bits=32)``),
+and :func:`check_target` applies a target description's accumulator and
+multiplier widths (which intermediates each bounds: the "target limits" section).
 Bounds are exact Python-int intervals, so they hold for every input the declared
 formats admit; the tests construct inputs that reach them.
 """
@@ -10,7 +12,9 @@ formats admit; the tests construct inputs that reach them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 from qnorm.fixedpoint import DEFAULT_ROUND, Round, bits_for, div_round, int_range, rshift_round
 
@@ -152,3 +156,169 @@ class RangeReport:
     def table(self) -> str:
         rows = [f"| {k} | {v.lo} | {v.hi} | {v.bits} |" for k, v in self.items.items()]
         return "\n".join([f"| {self.op} intermediate | min | max | bits |", "|---|---|---|---|", *rows])
+
+
+# --------------------------------------------------------------------------- target limits
+#
+# What a target's ``[hardware]`` widths mean, and which intermediates each one bounds:
+#
+# * ``accumulator_bits`` — the widest two's-complement value the target's datapath
+#   adds, subtracts, compares and holds as one value, as the target description
+#   deploys kernels (64 on CPUs; on the FPGA one DSP48E2 accumulator, the 48-bit P
+#   register).  **Accumulators** are every named intermediate of ``op.ranges()``
+#   (row sums, per-row statistics, per-element sums, products, outputs) and the
+#   result of every product below, named or not.  Each must fit
+#   ``accumulator_bits - 1`` bits: fixedpoint's rounding adds a half before a
+#   shift and doubles remainders, so one bit is headroom (as SAFE_INT64_BITS is
+#   for int64).
+# * ``multiplier_bits`` — the narrow operand width of one hardware multiply (the
+#   18-bit port of a 27x18 DSP48E2; 64 on CPUs).  **Products** are the
+#   multiplications of an op's body, listed per family in :func:`products` with
+#   both operands' intervals.  A product is exact on the target when its
+#   narrower operand fits ``multiplier_bits`` and its result fits the
+#   accumulator: the wider operand then goes through the multiplier in slices
+#   whose partial products the accumulator sums (the DSP48E2 cascade with its
+#   17-bit shift).  Both operands wider than ``multiplier_bits`` needs a
+#   multi-word product the target does not declare: refused.
+#
+# Shifts (by constants or per-row amounts) are not products.  The per-row
+# inverse (``rsqrt`` / ``reciprocal``: one division, an isqrt and one r·r) is a
+# sequential unit whose internals are not named intermediates and are not
+# checked; ``has_divider`` is a cost hint for picking a norm variant, not an
+# exactness limit (a divider built from LUTs is exact, only slow).
+
+
+class TargetLimitError(OverflowRiskError):
+    """A config whose accumulators or products exceed what a target declares."""
+
+
+@dataclass(frozen=True)
+class Product:
+    """One multiplication of an op's body: ``a * b`` with both operands' bounds.
+
+    ``intermediate`` names the range-report entry the product *is* (its proven
+    bound, often tighter than ``a * b``); None for a product that only feeds one
+    (x·x inside a row sum), whose bound is then ``a * b``.
+    """
+
+    formula: str  # how it is formed, for messages (e.g. "N·sum_sq")
+    a: Interval
+    b: Interval
+    intermediate: str | None
+    result: Interval
+
+    @property
+    def narrow_bits(self) -> int:
+        return min(self.a.bits, self.b.bits)
+
+    @property
+    def label(self) -> str:
+        return self.formula if self.intermediate is None else f"{self.intermediate} = {self.formula}"
+
+
+def _product(rep: RangeReport, formula: str, a: Interval, b: Interval, intermediate: str | None = None) -> Product:
+    return Product(formula, a, b, intermediate, a * b if intermediate is None else rep[intermediate])
+
+
+def _square(formula: str, a: Interval) -> Product:
+    """``a * a`` of one value (never negative: tighter than two independent operands)."""
+    return Product(formula, a, a, None, a.square())
+
+
+def _interval_of(values: Any) -> Interval:
+    return Interval.hull(*(int(v) for v in np.asarray(values).ravel()))
+
+
+def _norm_products(op: Any, rep: RangeReport) -> list[Product]:
+    x = Interval(op.in_fmt.lo, op.in_fmt.hi)
+    n = Interval.point(op.config.n)
+    inv = op.inverse_name
+    made = {
+        "centered": lambda: _product(rep, "N·x (in centered)", n, x),
+        "sum_sq": lambda: _square("x·x (in sum_sq)", x),
+        "n_sum_sq": lambda: _product(rep, "N·sum_sq", n, rep["sum_sq"], "n_sum_sq"),
+        "sum_squared": lambda: _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared"),
+        "prod": lambda: _product(rep, f"num_scaled·{inv}", rep["num_scaled"], rep[inv], "prod"),
+        "scaled": lambda: _product(rep, "z·gain", rep["z"], _interval_of(op.config.gain), "scaled"),
+    }
+    return [made[name]() for name in _NORM_PRODUCTS[op.name]]
+
+
+def _bn_products(op: Any, rep: RangeReport) -> list[Product]:
+    x = Interval(op.in_fmt.lo, op.in_fmt.hi)
+    return [_product(rep, "x·slope", x, _interval_of(op._slope), "bn_product")]
+
+
+def _lif_products(op: Any, rep: RangeReport) -> list[Product]:
+    out = []
+    if op.cfg.leak is not None:
+        state = rep["membrane_reset"].union(Interval.point(op.cfg.u_rest))
+        leak = Interval.point(op.cfg.leak.m)
+        out.append(_product(rep, "membrane·leak", state, leak, "leak_product"))
+    if op.name == "mpbn_lif":
+        slope = _interval_of(op._slope)
+        out.append(_product(rep, "membrane·slope", rep["membrane"], slope, "bn_product"))
+    return out
+
+
+# The multiplications each norm family's body makes (ShiftLayerNorm normalizes
+# and scales by shifts; RMSNorm does not centre).
+_NORM_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "int_layernorm": ("centered", "sum_sq", "n_sum_sq", "sum_squared", "prod", "scaled"),
+    "l1_layernorm": ("centered", "prod", "scaled"),
+    "shift_layernorm": ("centered", "sum_sq", "n_sum_sq", "sum_squared"),
+    "int_rmsnorm": ("sum_sq", "prod", "scaled"),
+}
+_PRODUCTS: dict[str, Callable[[Any, RangeReport], list[Product]]] = {
+    **{name: _norm_products for name in _NORM_PRODUCTS},
+    "bn_quant": _bn_products,
+    "multithreshold": lambda op, rep: [],  # threshold compares only
+    "mpbn_lif": _lif_products,
+    "folded_lif": _lif_products,
+}
+
+
+def products(op: Any, rep: RangeReport | None = None) -> list[Product]:
+    """Every multiplication of ``op``'s integer body (``rep``: its range report, if at hand).
+
+    An op family without an entry is refused rather than assumed product-free.
+    """
+    found = _PRODUCTS.get(op.name)
+    if found is None:
+        raise ValueError(
+            f"no product table for op {op.name!r}: list its multiplications in qnorm.analysis._PRODUCTS"
+        )
+    return found(op, op.ranges() if rep is None else rep)
+
+
+def check_target(op: Any, target: Any) -> RangeReport:
+    """Refuse ``op`` if ``target`` (a :class:`qnorm.targets.Target`) cannot compute it
+    exactly with its declared accumulator and multiplier widths (the rules above).
+
+    Returns the op's range report; raises :class:`TargetLimitError` naming the op,
+    the intermediate, its bits and the target's limit.
+    """
+    hw, rep = target.hardware, op.ranges()
+    prods = products(op, rep)
+    where = f"{target.name} ({target.path})"
+    limit = hw.accumulator_bits - 1
+    held = [*rep.items.items(), *((p.formula, p.result) for p in prods if p.intermediate is None)]
+    for name, iv in held:
+        if iv.bits > limit:
+            raise TargetLimitError(
+                f"{op.name} cannot run exactly on {where}: intermediate {name!r} spans "
+                f"[{iv.lo}, {iv.hi}], which needs {iv.bits} bits, but the target's "
+                f"{hw.accumulator_bits}-bit accumulator holds {limit} (hardware.accumulator_bits "
+                "less one bit of rounding headroom); shorten the row, narrow the formats, "
+                "or pick a target with wider accumulators"
+            )
+    for p in prods:
+        if p.narrow_bits > hw.multiplier_bits:
+            raise TargetLimitError(
+                f"{op.name} cannot run exactly on {where}: product {p.label!r} multiplies "
+                f"[{p.a.lo}, {p.a.hi}] ({p.a.bits} bits) by [{p.b.lo}, {p.b.hi}] ({p.b.bits} bits), "
+                f"but the target's multiplier takes at most {hw.multiplier_bits} bits on its "
+                "narrow side (hardware.multiplier_bits); narrow the formats or pick a target "
+                "with a wider multiplier"
+            )
+    return rep

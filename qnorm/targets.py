@@ -84,6 +84,8 @@ class Build:
     cc: str  # C compiler driver used to link TVM's objects (a cross gcc for edge CPUs)
     cflags: tuple[str, ...] = ()
     debian_packages: tuple[str, ...] = ()  # what provides ``cc`` on Debian
+    part: str | None = None  # FPGA part an HLS project synthesizes for (Vitis ``set_part``)
+    clock_period_ns: int | None = None  # HLS clock target (Vitis ``create_clock -period``)
 
 
 @dataclass(frozen=True)
@@ -361,11 +363,16 @@ def _hardware(r: _Reader) -> Hardware:
 
 
 def _build(r: _Reader) -> Build:
-    r.only({"cc", "cflags", "debian_packages"})
+    r.only({"cc", "cflags", "debian_packages", "part", "clock_period_ns"})
+    clock = r.opt("clock_period_ns", int)
+    if clock is not None and clock < 1:
+        raise r.fail("clock_period_ns", f"must be >= 1, got {clock}")
     return Build(
         cc=r.req("cc", str),
         cflags=r.strings("cflags"),
         debian_packages=r.strings("debian_packages"),
+        part=r.opt("part", str),
+        clock_period_ns=clock,
     )
 
 

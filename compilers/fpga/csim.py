@@ -1,0 +1,108 @@
+"""C simulation of an HLS project: gcc builds testbench + top + kernel, then it runs.
+
+Binaries are cached by content hash in ``$QNORM_CACHE/hls`` (default
+``~/.cache/qnorm/hls``): the key is the SHA-256 of every C source and header of
+the project, the compiler and its flags, so the same project is compiled once
+per machine and any change to a source misses.  The vectors file is read at run
+time and is not part of the key.  A binary is written under a private name and
+renamed into place, so concurrent builds (pytest-xdist) never run a half-written
+one; the compiler's messages are stored next to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from compilers.fpga import csource
+from compilers.fpga.vectors import read_outputs, write_vectors
+from compilers.tvm.build import cache_dir as tvm_cache_dir
+from qnorm.targets import Target
+
+_KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
+_HEADERS = (csource.TOP_H, csource.ABI_H)
+
+
+class CsimError(RuntimeError):
+    """The C simulation could not be built or did not run cleanly."""
+
+
+@dataclass(frozen=True)
+class Csim:
+    """A built C simulation binary and how it was obtained."""
+
+    binary: Path
+    compiler_output: str  # gcc's warnings (empty when clean)
+    cache_hit: bool
+    seconds: float  # compile on a miss, lookup on a hit
+
+
+def cache_dir() -> Path:
+    """``$QNORM_CACHE/hls``: next to the TVM build cache, read at each call."""
+    return tvm_cache_dir().parent / "hls"
+
+
+def compiler_unavailable(target: Target) -> str | None:
+    """None if the target's C compiler is on PATH, else why the simulation cannot run."""
+    if shutil.which(target.build.cc) is None:
+        return f"unavailable: C compiler {target.build.cc!r} (build.cc of {target.path.name}) is not on PATH"
+    return None
+
+
+def cache_key(project: Path, target: Target) -> str:
+    h = hashlib.sha256()
+    h.update(repr((_KEY_FORMAT, target.build.cc, target.build.cflags)).encode())
+    for name in sorted((*csource.CSIM_SOURCES, *_HEADERS)):
+        h.update(name.encode() + b"\0" + (project / name).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def build_csim(project: Path, target: Target) -> Csim:
+    """Compile the project's testbench, top, kernel and ABI shim (or find them cached)."""
+    reason = compiler_unavailable(target)
+    if reason is not None:
+        raise CsimError(reason)
+    project = Path(project)
+    start = time.perf_counter()
+    key = cache_key(project, target)
+    binary = cache_dir() / key / "qnorm_tb"
+    log = binary.with_name("compiler.log")
+    if binary.exists():
+        return Csim(binary, log.read_text(), True, time.perf_counter() - start)
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    tmp = binary.with_name(f"qnorm_tb.{os.getpid()}.tmp")
+    command = [target.build.cc, *target.build.cflags, "-o", str(tmp), *csource.CSIM_SOURCES]
+    done = subprocess.run(command, check=False, cwd=project, capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise CsimError(f"C simulation build failed ({' '.join(command)} in {project}):\n{done.stderr}")
+    log_tmp = log.with_name(f"compiler.{os.getpid()}.tmp")
+    log_tmp.write_text(done.stderr)
+    os.replace(log_tmp, log)  # the log first: a binary present means its log is too
+    os.replace(tmp, binary)
+    return Csim(binary, done.stderr, False, time.perf_counter() - start)
+
+
+def run_testbench(binary: Path, vectors: Path, outputs: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the testbench on a vectors file (no check of its exit status)."""
+    command = [str(binary), str(vectors), *([] if outputs is None else [str(outputs)])]
+    return subprocess.run(command, check=False, capture_output=True, text=True)
+
+
+def simulate(binary: Path, units: np.ndarray, in_bytes: int, out_bytes: int) -> np.ndarray:
+    """The top's outputs for ``units`` (vectors, elements per vector), via the testbench."""
+    with tempfile.TemporaryDirectory(prefix="qnorm-csim-") as tmp:
+        vectors = write_vectors(Path(tmp) / csource.VECTORS, units, in_bytes, out_bytes)
+        outputs = Path(tmp) / "outputs.bin"
+        done = run_testbench(binary, vectors, outputs)
+        if done.returncode != 0:
+            raise CsimError(f"C simulation {binary} exited {done.returncode}: {done.stderr.strip()}")
+        return read_outputs(outputs, *units.shape)
