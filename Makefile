@@ -41,9 +41,10 @@ test: $(STAMP) toolchains
 test-slow: $(STAMP) toolchains
 	$(VPY) -m pytest -q -n auto -m slow || [ $$? -eq 5 ]
 
-# Ratios measured in one run (interleaved loops >= 0.5 s, medians); written to out/.
+# Every benchmark in one process, one run (interleaved loops >= 0.5 s, medians of
+# per-round ratios), written to out/bench.md: kernels (P1, P2), QAT step, compile (P4).
 bench: $(STAMP)
-	$(VPY) -m benchmarks.bench_qat --out out/bench_qat.md
+	$(VPY) -m benchmarks --out out/bench.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._timing import interleaved
+from benchmarks._timing import interleaved, ratio
 from qnorm.train.data import load_digits_data
 from qnorm.train.models import build_model
 
@@ -36,12 +36,12 @@ def make_step(kind: str, xb: torch.Tensor, yb: torch.Tensor):
     return step
 
 
-def run(rounds: int, min_loop_s: float) -> str:
+def section(rounds: int = 5, min_loop_s: float = 0.5) -> str:
+    """The QAT-step markdown section, measured now (one torch thread)."""
     torch.set_num_threads(1)
     data = load_digits_data("tokens", seed=0)
     xb, yb = data.train.tensors[0][:64], data.train.tensors[1][:64]
     times = interleaved({k: make_step(k, xb, yb) for k in KINDS}, rounds, min_loop_s)
-    base = times["float"].median_s
     lines = [
         "## QAT training step (digits transformer, batch 64, 1 thread; median of interleaved loops)",
         "",
@@ -49,7 +49,7 @@ def run(rounds: int, min_loop_s: float) -> str:
         "|---|---|---|---|",
     ]
     for k in KINDS:
-        r = times[k].median_s / base
+        r = ratio(times[k], times["float"])
         lines.append(f"| {k} | {1e3 * times[k].median_s:.2f} ms | {r:.2f}x | {'yes' if r <= 1.5 else 'no'} |")
     return "\n".join(lines)
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--min-loop", type=float, default=0.5, help="seconds per timed loop")
     parser.add_argument("--out", default="out/bench_qat.md")
     args = parser.parse_args()
-    text = run(args.rounds, args.min_loop)
+    text = section(args.rounds, args.min_loop)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
     print(text)

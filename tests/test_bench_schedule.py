@@ -1,0 +1,60 @@
+"""The CPU schedule tuning measured by the kernel benchmarks keeps its shape.
+
+Two layout choices of :func:`compilers.tvm.cpu.schedule_rowwise` made the norm
+kernels faster (see benchmarks/bench_kernels.py): per-element stages computed one
+vector register of columns at a time, and the row reductions that read only the
+input sharing one loop.  A reduction that reads another one's result must keep
+its own loop: TVM's ``merge`` does not check that dataflow, and a merged
+L1LayerNorm reads S before it is complete.  Bit-exactness of every kernel is
+tests/test_tvm_kernels.py's job; these tests pin the structure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+
+from compilers.tvm.kernels import kernel_for
+from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm
+from qnorm.qformat import QFormat
+
+N = 768
+
+
+def scheduled(cls: type) -> tvm.s_tir.Schedule:
+    rng = np.random.default_rng(0)
+    gamma = rng.normal(1.0, 0.1, N).astype(np.float32)
+    beta = None if cls is IntRMSNorm else rng.normal(0.0, 0.1, N).astype(np.float32)
+    return tvm.s_tir.Schedule(kernel_for(cls.from_float(gamma, beta, 1e-5, QFormat(8, 0.05))).mod)
+
+
+def innermost(sch: tvm.s_tir.Schedule, block: str):
+    return sch.get(sch.get_loops(sch.get_sblock(block))[-1])
+
+
+def test_layernorm_sums_share_one_loop_l1_sums_do_not():
+    ln = scheduled(IntLayerNorm)
+    assert innermost(ln, "row_sum").same_as(innermost(ln, "row_sum_1"))
+    l1 = scheduled(L1LayerNorm)  # Σ|N·x − S| reads S = Σx
+    assert not innermost(l1, "row_sum").same_as(innermost(l1, "row_sum_1"))
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
+def test_per_element_stages_work_one_register_at_a_time(cls):
+    """8 int64 lanes: a 512-bit register of the widest per-element value."""
+    sch = scheduled(cls)
+    stages = [
+        b
+        for b in sch.get_child_blocks(sch.get_sblock("root"))
+        if sch.get(b).name_hint.startswith("out_s")
+    ]
+    assert stages
+    tile = sch.get(sch.get_loops(sch.get_sblock("out"))[-2])
+    assert int(tile.extent) == N // 8
+    for block in [*stages, sch.get_sblock("out")]:
+        loops = sch.get_loops(block)
+        assert sch.get(loops[-2]).same_as(tile)
+        assert int(sch.get(loops[-1]).extent) == 8
+        assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
