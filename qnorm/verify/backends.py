@@ -312,4 +312,4 @@ def _x86_prepare(op: IntOp) -> Runner:
 register(Backend("x86_64", "TVM llvm kernels (compilers.tvm.kernels), run natively", _x86_prepare, _x86_unavailable))
 import qnorm.verify.backend_cross  # noqa: E402,F401  (registers aarch64, riscv64)
 import qnorm.verify.backend_hls  # noqa: E402,F401  (registers fpga-hls)
-import qnorm.verify.backend_hls  # noqa: E402,F401  (registers fpga-hls)
+import qnorm.verify.backend_gpu  # noqa: E402,F401  (registers cuda, opencl)

@@ -31,6 +31,7 @@ from qnorm.verify.vectors import Batch, as_vectors, run_batches, vector_location
 
 ALWAYS = ("golden", "qat")  # columns every run has: the reference and the training path
 OK, FAIL, SKIP = "ok", "FAIL", "skip"
+COMPILED = "compiled"  # built for a target this machine cannot run: neither a pass nor a skip
 LEGEND = (
     (
         "ok (N vectors): bit-exact on N vectors (a row of N for a norm, a row of C channels for a BN op, "
@@ -42,6 +43,10 @@ LEGEND = (
     ),
     "err: the golden outputs against the float op, in output LSB.",
 )
+
+
+class NotRun(Exception):
+    """A backend built the op's kernel but cannot run it here (its cell: ``compiled``, with the reason)."""
 
 
 # --------------------------------------------------------------------------- columns
@@ -240,6 +245,8 @@ class Report:
         for name in self.columns:
             reasons = _grouped(self.cases, name, lambda c: c.reason if c.status == SKIP else None)
             out += [f"skip  {name}: {reason} ({cases})" for reason, cases in reasons]
+            built = _grouped(self.cases, name, lambda c: c.reason if c.status == COMPILED else None)
+            out += [f"built {name}: {reason} ({cases})" for reason, cases in built]
         for name in self.columns:
             vias = _grouped(self.cases, name, lambda c: c.via if c.status != SKIP else None)
             out += [f"via   {name}: {via} ({cases})" for via, cases in vias]
@@ -247,8 +254,11 @@ class Report:
             detail = cell.mismatch.describe() if cell.mismatch is not None else cell.reason
             out.append(f"FAIL  {report.case.name} × {name}: {detail}")
         fails, skips = len(self.failures), sum(c.status == SKIP for r in self.cases for c in r.cells.values())
+        built = sum(c.status == COMPILED for r in self.cases for c in r.cells.values())
         out.append(
-            f"{len(self.cases)} cases × {len(self.columns)} columns: {fails} FAIL, {skips} skip; "
+            f"{len(self.cases)} cases × {len(self.columns)} columns: {fails} FAIL, {skips} skip"
+            + (f", {built} compiled, not run" if built else "")
+            + "; "
             f">= {self.elements} input elements per case (seed {self.seed}), {self.seconds:.1f} s"
         )
         return ["", *out]
@@ -320,6 +330,8 @@ def _prepare(
                 cells[name] = Cell(OK, via=runners[name].via)
             except backends.Unsupported as err:
                 cells[name] = Cell(SKIP, reason=str(err))
+            except NotRun as err:
+                cells[name] = Cell(COMPILED, reason=str(err))
             except Exception as err:  # noqa: BLE001 - any backend fault is that column's FAIL
                 cells[name] = Cell(FAIL, reason=f"preparing the backend failed: {_error_text(err)}")
     return cells, runners

@@ -1,0 +1,173 @@
+"""The GPU-scheduled kernels as OpenCL C, executed on PoCL (CPU OpenCL) through pyopencl.
+
+This is the one place the GPU schedule (:mod:`compilers.tvm.gpu`) is *run* on a
+machine without a GPU: the same module that becomes CUDA source becomes OpenCL
+C here, with the same blocks, barriers and cross-thread reductions, and PoCL
+executes every work-group with real barrier semantics.  TVM has no OpenCL
+runtime here, so this module is the host side: it builds the program with
+pyopencl, passes the buffers in the order of each ``__kernel`` signature and
+launches every kernel TVM split out of ``main``, in order, with the launch
+geometry read off the lowered module (``global = grid * block``,
+``local = block``).
+
+``opencl_kernel(op)`` returns a :class:`~compilers.tvm.kernels.CompiledKernel`,
+so inputs are validated and laid out exactly as for the CPU kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from compilers.tvm.build import tvm_target
+from compilers.tvm.gpu import GPU, DeviceModule, Launch, Param, lower
+from compilers.tvm.kernels import CompiledKernel, Kernel, kernel_for
+from qnorm.targets import Target, load_target
+
+TARGET = "opencl"
+
+
+@functools.cache
+def opencl_target() -> Target:
+    return load_target(TARGET)
+
+
+def unavailable() -> str | None:
+    """None if PoCL can run kernels here, else what is missing."""
+    if importlib.util.find_spec("pyopencl") is None:
+        return "pyopencl is not installed (pip install pyopencl)"
+    name = opencl_target().run.platform
+    try:
+        _device(name)
+    except LookupError as err:
+        return str(err)
+    return None
+
+
+@functools.cache
+def _device(platform: str) -> Any:
+    import pyopencl as cl
+
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as err:  # no ICD loader configuration at all
+        raise LookupError(f"no OpenCL platform ({err}); install {_packages()}") from None
+    found = [p for p in platforms if p.name == platform]
+    if not found:
+        names = ", ".join(repr(p.name) for p in platforms) or "none"
+        raise LookupError(
+            f"OpenCL platform {platform!r} not found (platforms: {names}); install {_packages()}"
+        )
+    devices = found[0].get_devices()
+    if not devices:
+        raise LookupError(f"OpenCL platform {platform!r} has no device")
+    return devices[0]
+
+
+def device_name() -> str:
+    """The OpenCL device the kernels run on (PoCL names the host CPU)."""
+    return str(_device(opencl_target().run.platform).name)
+
+
+def _packages() -> str:
+    return " ".join(opencl_target().run.debian_packages) or "an OpenCL ICD"
+
+
+@dataclass(frozen=True, eq=False)
+class _Context:
+    context: Any
+    queue: Any
+
+
+@functools.cache
+def _context() -> _Context:
+    import pyopencl as cl
+
+    ctx = cl.Context([_device(opencl_target().run.platform)])
+    return _Context(ctx, cl.CommandQueue(ctx))
+
+
+@functools.cache
+def _program(source: str) -> Any:
+    """The built program of ``source``, once per process (PoCL also caches binaries on disk)."""
+    import pyopencl as cl
+
+    try:
+        return cl.Program(_context().context, source).build()
+    except cl.RuntimeError as err:
+        raise RuntimeError(f"PoCL could not build the TVM OpenCL source: {err}") from None
+
+
+def device_module(kernel: Kernel) -> DeviceModule:
+    """OpenCL C and launches of a GPU-scheduled kernel, checked against the work-group limit."""
+    target = opencl_target()
+    dev = lower(kernel.mod, tvm_target(target))
+    limit = target.hardware.max_threads
+    if limit is not None and dev.max_threads() > limit:
+        raise ValueError(f"a work-group of {dev.max_threads()} exceeds {target.name}'s {limit}")
+    return dev
+
+
+@dataclass(frozen=True, eq=False)
+class PoclFunction:
+    """``main(x, *consts, out)`` on PoCL, called like a TVM library function.
+
+    Takes and fills ``tvm.runtime.Tensor`` arguments so that
+    :class:`~compilers.tvm.kernels.CompiledKernel` drives it like a CPU build.
+    """
+
+    device: DeviceModule
+    names: tuple[str, ...]  # main's parameters, in order
+
+    def __call__(self, *tensors: Any) -> None:
+        arrays = {n: t.numpy() for n, t in zip(self.names, tensors)}
+        out = self.names[-1]
+        arrays[out] = run(self.device, arrays, out)
+        tensors[-1].copyfrom(arrays[out])
+
+
+def run(device: DeviceModule, arrays: dict[str, np.ndarray], out: str) -> np.ndarray:
+    """Launch every kernel of ``device`` on PoCL; returns the ``out`` buffer's contents."""
+    import pyopencl as cl
+
+    ctx = _context()
+    launches = device.launches({n: a.shape for n, a in arrays.items()})
+    if any(0 in lc.grid for lc in launches):  # no rows: nothing to launch
+        return arrays[out]
+    program = _program(device.source)
+    flags = cl.mem_flags
+    bufs = {
+        n: cl.Buffer(
+            ctx.context, flags.READ_WRITE | flags.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a)
+        )
+        for n, a in arrays.items()
+    }
+    for kernel, launch in zip(device.kernels, launches):
+        _enqueue(ctx.queue, program, kernel.params, launch, bufs)
+    result = np.empty_like(arrays[out])
+    cl.enqueue_copy(ctx.queue, result, bufs[out])
+    ctx.queue.finish()
+    return result
+
+
+def _enqueue(
+    queue: Any, program: Any, params: tuple[Param, ...], launch: Launch, bufs: dict[str, Any]
+) -> None:
+    import pyopencl as cl
+
+    kernel = cl.Kernel(program, launch.kernel)
+    for i, (param, arg) in enumerate(zip(params, launch.args)):
+        kernel.set_arg(i, bufs[arg] if param.is_buffer else np.dtype(param.dtype).type(arg))
+    size = tuple(g * b for g, b in zip(launch.grid, launch.block))
+    cl.enqueue_nd_range_kernel(queue, kernel, size, launch.block)
+
+
+def opencl_kernel(op: Any) -> CompiledKernel:
+    """``op``'s GPU-scheduled kernel, runnable on numpy arrays through PoCL."""
+    kernel = kernel_for(op, GPU)
+    device = device_module(kernel)
+    return CompiledKernel(kernel, PoclFunction(device, tuple(device.buffers)))  # type: ignore[arg-type]

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: qnorm's CUDA kernels on a real NVIDIA GPU, bit-exact and benchmarked.
+#
+# The GPU machine has nvcc (and maybe torch) but neither TVM nor this repo's venv, so
+# the check runs in two steps:
+#
+#   1. Here, on the CPU box:      scripts/gpu_check.sh prepare [BUNDLE]
+#      TVM writes every verify case's CUDA source (GPU schedule, compilers/tvm/gpu.py),
+#      nvcc builds PTX + cubin for sm_80 and sm_90, the golden model writes the inputs
+#      and expected outputs (the stored golden vectors plus the edge, exhaustive and
+#      random vectors of a default `qnorm verify`), and the int8 norm kernels at
+#      (4096,768) and (1024,4096) get benchmark plans.  BUNDLE defaults to
+#      out/gpu_bundle (ignored by git, about 20 MiB).  The harness is compiled once
+#      too, so a harness that does not build fails here.
+#
+#   2. On the GPU machine:        scripts/gpu_check.sh run [BUNDLE]
+#      builds scripts/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
+#      built here for the GPU's architecture, else the PTX, JIT-compiled), compares
+#      every output element with the golden output, times the benchmark kernels, and
+#      times torch.nn.functional.layer_norm / rms_norm on float16 and float32 rows of
+#      the same shapes if torch with CUDA is installed (else says so).  Needs nvcc,
+#      python3 and a CUDA GPU; takes well under 5 minutes.  Results: gpu_verify.md,
+#      gpu_bench.md, gpu_results.json and the harness logs, in $OUT when set (the
+#      device tool's output folder), else benchmarks/gpu/.  Exit status 1 if any
+#      case or benchmark kernel is not bit-exact.
+#
+# With the device tool of this workplace:
+#   scripts/gpu_check.sh prepare
+#   run(command="scripts/gpu_check.sh run", carry=["out/gpu_bundle"], timeout_s=420)
+# then copy the returned gpu_*.md / gpu_results.json into benchmarks/gpu/.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+step="${1:-}"
+bundle="${2:-$repo/out/gpu_bundle}"
+
+prepare() {
+  local py="$repo/.venv/bin/python"
+  [[ -x "$py" ]] || { echo "no $py: run 'make venv' first" >&2; exit 2; }
+  "$py" "$repo/scripts/gpu_bundle.py" --out "$bundle"
+  local tmp
+  tmp="$(mktemp -d)"
+  nvcc -O2 -std=c++17 "$repo/scripts/gpu_harness.cu" -o "$tmp/gpu_harness"
+  rm -rf "$tmp"
+  echo "prepared $bundle; on the GPU machine: scripts/gpu_check.sh run" >&2
+}
+
+run() {
+  local out="${OUT:-$repo/benchmarks/gpu}" start=$SECONDS status=0
+  [[ -f "$bundle/manifest.json" ]] || { echo "no bundle at $bundle: run '$0 prepare' here first" >&2; exit 2; }
+  command -v nvcc >/dev/null || { echo "nvcc not found" >&2; exit 2; }
+  local device
+  device="$(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader | head -1)" \
+    || { echo "nvidia-smi lists no GPU" >&2; exit 2; }
+  mkdir -p "$out"
+  local harness="$out/gpu_harness"
+  nvcc -O2 -std=c++17 "$repo/scripts/gpu_harness.cu" -o "$harness"
+  echo "GPU: $device; harness built in $((SECONDS - start)) s" | tee "$out/gpu_check.log"
+  "$harness" "$bundle"/cases/*/verify.plan >"$out/gpu_verify.log" 2>>"$out/gpu_check.log" || status=$?
+  echo "verify plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
+  "$harness" "$bundle"/bench/*.plan >"$out/gpu_bench.log" 2>>"$out/gpu_check.log" || status=$?
+  echo "benchmark plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
+  python3 "$repo/benchmarks/bench_gpu.py" --bundle "$bundle" --verify-log "$out/gpu_verify.log" \
+    --bench-log "$out/gpu_bench.log" --out "$out" --device "$device" || status=$?
+  echo "done in $((SECONDS - start)) s, exit $status" | tee -a "$out/gpu_check.log"
+  rm -f "$harness"
+  exit "$status"
+}
+
+case "$step" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: $0 prepare|run [BUNDLE]   (see the top of this script)" >&2; exit 2 ;;
+esac
