@@ -27,7 +27,7 @@ from qnorm.analysis import (
 from qnorm.qformat import QFormat
 from qnorm.targets import load_target, load_target_file
 from qnorm.verify import backends, harness
-from qnorm.verify.backend_hls import REFUSED, refuse_beyond_limits
+from qnorm.verify.backends import refuse_beyond_limits
 from qnorm.verify.cases import CASES, case_named
 from qnorm.verify.vectors import golden_inputs
 
@@ -190,7 +190,7 @@ def test_an_op_without_a_product_table_is_refused() -> None:
 
 def test_other_backends_refuse_the_same_way(tmp_path) -> None:
     tight = fake_target(tmp_path, 32, 16)
-    with pytest.raises(backends.Unsupported, match=f"^{REFUSED}: int_layernorm cannot run exactly on tight"):
+    with pytest.raises(backends.Refused, match="^int_layernorm cannot run exactly on tight"):
         refuse_beyond_limits(case_named("int_layernorm.int8.n64").build(), tight)
     assert refuse_beyond_limits(case_named("multithreshold.int8.c16.relu4").build(), tight) is None
 
@@ -202,10 +202,12 @@ def test_verify_shows_a_refusal_with_its_reason_and_does_not_fail(monkeypatch) -
     monkeypatch.setattr(harness, "run_batches", lambda case, elements, seed: iter(()))  # stored vectors only
     report = harness.verify([case_named(REFUSED_ON_HLS)], ["golden", "qat", "fpga-hls"], elements=0)
     cell = report.cases[0].cells["fpga-hls"]
-    assert cell.status == harness.SKIP and cell.vectors == 0
-    assert cell.reason.startswith(f"{REFUSED}: int_layernorm cannot run exactly on fpga-hls")
+    assert cell.status == harness.REFUSED and cell.vectors == 0
+    assert cell.reason.startswith("int_layernorm cannot run exactly on fpga-hls")
     assert report.ok and not report.failures
-    assert f"skip  fpga-hls: {REFUSED}: int_layernorm cannot run exactly" in report.matrix()
+    text = report.matrix()
+    assert "refused fpga-hls: int_layernorm cannot run exactly" in text
+    assert "1 refused by target limits" in text.splitlines()[-1]
 
 
 # --------------------------------------------------------------------------- the HLS build fields

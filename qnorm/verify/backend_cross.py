@@ -17,7 +17,7 @@ from typing import Any
 
 from qnorm.ops.base import IntOp
 from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, Runner, Unsupported, register
+from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
 
 CROSS_TARGETS = ("aarch64", "riscv64")
 _CROSS = "compilers.tvm.cross"
@@ -41,6 +41,7 @@ def _unavailable(name: str) -> str | None:
 def _prepare(name: str, op: IntOp) -> Runner:
     kernels = importlib.import_module("compilers.tvm.kernels")
     target = _target(name)
+    refuse_beyond_limits(op, target)
     try:
         kernel = kernels.kernel_for(op)
     except NotImplementedError as err:

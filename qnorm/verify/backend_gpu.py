@@ -24,8 +24,7 @@ from typing import Any
 
 from qnorm.ops.base import IntOp
 from qnorm.targets import Target, load_target
-from qnorm.verify.backend_hls import refuse_beyond_limits
-from qnorm.verify.backends import Backend, Runner, Unsupported, register
+from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
 
 
 @functools.cache

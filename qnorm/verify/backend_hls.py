@@ -1,10 +1,10 @@
 """``qnorm verify`` column fpga-hls: the HLS project of each op, run in C simulation.
 
 Per op: the target limits of ``targets/fpga-hls.toml`` first
-(:func:`qnorm.analysis.check_target`); a config they refuse is reported as a
-SKIP whose reason starts with "refused by target limits" and names the
-intermediate, its bits and the limit.  Refusing is the contract, not a defect,
-so it is not a FAIL of the matrix; it is never a pass either (no vectors run).
+(:func:`qnorm.verify.backends.refuse_beyond_limits`); a config they refuse is
+reported as ``refused`` with the reason, which names the intermediate, its
+bits and the limit.  Refusing is the contract, not a defect, so it is not a
+FAIL of the matrix; it is never a pass either (no vectors run).
 Otherwise the project's sources are written (:func:`compilers.fpga.hls.write_sources`:
 TVM's C for the HLS-scheduled kernel, ``qnorm_top``, the testbench), gcc builds
 the C simulation once (cached by content), and every batch of vectors runs
@@ -24,13 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from qnorm.analysis import TargetLimitError, check_target
 from qnorm.ops.base import IntOp
 from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, Runner, Unsupported, register
+from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
 
 NAME = "fpga-hls"
-REFUSED = "refused by target limits"
 
 
 @functools.cache
@@ -46,15 +44,6 @@ def _unavailable() -> str | None:
     if importlib.util.find_spec("tvm") is None:
         return "unavailable: apache-tvm is not installed"
     return _module("csim").compiler_unavailable(_target())
-
-
-def refuse_beyond_limits(op: IntOp, target: Target) -> None:
-    """Raise :class:`Unsupported` (shown as refused, with the reason) if ``target``'s
-    declared widths cannot run ``op`` exactly; other backends call it the same way."""
-    try:
-        check_target(op, target)
-    except TargetLimitError as err:
-        raise Unsupported(f"{REFUSED}: {err}") from None
 
 
 def _prepare(op: IntOp) -> Runner:

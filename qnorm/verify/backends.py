@@ -4,7 +4,8 @@ A :class:`Backend` says whether it can run on this machine (``unavailable()``:
 None, or the reason it cannot) and, per op, returns a :class:`Runner` mapping
 op-layout integer inputs to integer outputs, or raises :class:`Unsupported`
 (this op has no implementation on the backend yet: a SKIP with the reason,
-never a silent pass).  Anything else a backend raises is a failure.
+never a silent pass) or :class:`Refused` (the target's declared widths cannot run
+the op exactly: ``refused`` with the reason).  Anything else a backend raises is a failure.
 
 Built in:
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from qnorm import nn as qnn
+from qnorm.analysis import TargetLimitError, check_target
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.base import IntOp
@@ -54,6 +56,21 @@ LAYER_DTYPE = torch.float32  # the QAT layers' parameter dtype, so the dtype the
 
 class Unsupported(Exception):
     """The backend has no implementation for this op (reported as SKIP with the reason)."""
+
+
+class Refused(Exception):
+    """The target's declared widths cannot run this op exactly (reported as ``refused``
+    with the reason: refusing is the contract, so neither a pass nor a FAIL)."""
+
+
+def refuse_beyond_limits(op: IntOp, target: Target) -> None:
+    """Raise :class:`Refused` if ``target``'s accumulator or multiplier widths cannot
+    run ``op`` exactly (:func:`qnorm.analysis.check_target`); every compiled backend
+    calls it before building."""
+    try:
+        check_target(op, target)
+    except TargetLimitError as err:
+        raise Refused(str(err)) from None
 
 
 class BackendError(Exception):
@@ -301,6 +318,7 @@ def _x86_target() -> Target:
 def _x86_prepare(op: IntOp) -> Runner:
     kernels = importlib.import_module(_KERNELS)
     target = _x86_target()
+    refuse_beyond_limits(op, target)
     try:
         kernel = kernels.kernel_for(op)
     except NotImplementedError as err:

@@ -32,6 +32,7 @@ from qnorm.verify.vectors import Batch, as_vectors, run_batches, vector_location
 ALWAYS = ("golden", "qat")  # columns every run has: the reference and the training path
 OK, FAIL, SKIP = "ok", "FAIL", "skip"
 COMPILED = "compiled"  # built for a target this machine cannot run: neither a pass nor a skip
+REFUSED = "refused"  # the target's declared widths cannot run the op exactly: the contract, not a FAIL
 LEGEND = (
     (
         "ok (N vectors): bit-exact on N vectors (a row of N for a norm, a row of C channels for a BN op, "
@@ -247,6 +248,8 @@ class Report:
             out += [f"skip  {name}: {reason} ({cases})" for reason, cases in reasons]
             built = _grouped(self.cases, name, lambda c: c.reason if c.status == COMPILED else None)
             out += [f"built {name}: {reason} ({cases})" for reason, cases in built]
+            refused = _grouped(self.cases, name, lambda c: c.reason if c.status == REFUSED else None)
+            out += [f"refused {name}: {reason} ({cases})" for reason, cases in refused]
         for name in self.columns:
             vias = _grouped(self.cases, name, lambda c: c.via if c.status != SKIP else None)
             out += [f"via   {name}: {via} ({cases})" for via, cases in vias]
@@ -255,9 +258,11 @@ class Report:
             out.append(f"FAIL  {report.case.name} × {name}: {detail}")
         fails, skips = len(self.failures), sum(c.status == SKIP for r in self.cases for c in r.cells.values())
         built = sum(c.status == COMPILED for r in self.cases for c in r.cells.values())
+        refused = sum(c.status == REFUSED for r in self.cases for c in r.cells.values())
         out.append(
             f"{len(self.cases)} cases × {len(self.columns)} columns: {fails} FAIL, {skips} skip"
             + (f", {built} compiled, not run" if built else "")
+            + (f", {refused} refused by target limits" if refused else "")
             + "; "
             f">= {self.elements} input elements per case (seed {self.seed}), {self.seconds:.1f} s"
         )
@@ -332,6 +337,8 @@ def _prepare(
                 cells[name] = Cell(SKIP, reason=str(err))
             except NotRun as err:
                 cells[name] = Cell(COMPILED, reason=str(err))
+            except backends.Refused as err:
+                cells[name] = Cell(REFUSED, reason=str(err))
             except Exception as err:  # noqa: BLE001 - any backend fault is that column's FAIL
                 cells[name] = Cell(FAIL, reason=f"preparing the backend failed: {_error_text(err)}")
     return cells, runners
