@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from qnorm.demo import run_demo
+    from qnorm.demo import DeployMismatchError, run_demo, run_deploy_demo
     from qnorm.train.experiment import run_training
 
     out = Path(args.out)
@@ -19,6 +19,13 @@ def _demo(args: argparse.Namespace) -> int:
     table = run_training(out / "train", seed=args.seed, quick=args.quick, jobs=1 if args.quick else 2)
     print("\n## Training: int8 transformer per norm, MPBN SNN unfolded vs folded\n")
     print(table.to_markdown())
+    # Train the deployable models, compile them for this CPU, check them bit for bit.
+    print("\n## Deployment: train, fold, compile for this CPU, run the test set, compare\n")
+    try:
+        run_deploy_demo(out, seed=args.seed, quick=args.quick, jobs=1 if args.quick else 2)
+    except DeployMismatchError as err:
+        print(f"qnorm demo: FAILED: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -49,6 +56,50 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _compile(args: argparse.Namespace) -> int:
+    if args.target == HLS_TARGET:
+        return _compile_hls(args)
+    from compilers.tvm.graph import compile_checkpoint
+
+    compiled, source = compile_checkpoint(args.checkpoint, args.target)
+    out = compiled.save(args.out, source=source)
+    meta = json.loads((out / "model.json").read_text())
+    target = meta["target"]
+    state = "cache hit" if compiled.cache_hit else "compiled"
+    print(f"{args.checkpoint}: {source['model']['kind']} {source['model']['config']}")
+    print(f"  {meta['exactness']['summary']}")
+    cpu = target["tvm"].get("mcpu", target["tvm"]["kind"])
+    print(f"  {state} for {target['name']} ({cpu}) in {compiled.seconds:.2f} s")
+    print(f"  wrote {out / 'model.so'} (sha256 {meta['library']['sha256'][:16]}...) and {out / 'model.json'}")
+    return 0
+
+
+HLS_TARGET = "fpga-hls"
+
+
+def _compile_hls(args: argparse.Namespace) -> int:
+    """One Vitis HLS project per qnorm layer of the checkpoint (the linears stay on the host)."""
+    from compilers.fpga.hls import write_hls_projects
+    from qnorm.analysis import TargetLimitError
+    from qnorm.deploy import integer_ops
+    from qnorm.train.checkpoint import load_checkpoint
+
+    model, meta = load_checkpoint(args.checkpoint)
+    ops = integer_ops(model)
+    if not ops:
+        print(f"qnorm compile: {args.checkpoint} has no qnorm integer layer to put on the FPGA", file=sys.stderr)
+        return 2
+    try:
+        projects = write_hls_projects(ops, args.out)
+    except TargetLimitError as err:
+        print(f"qnorm compile: refused: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
+    for name, path in projects.items():
+        print(f"  {name}: {ops[name].name} -> {path} (vitis_hls -f {path / 'run_hls.tcl'})")
+    return 0
+
+
 def _golden(args: argparse.Namespace) -> int:
     from qnorm.verify import select_cases
     from qnorm.verify.golden_store import DEFAULT_DIR, check, regenerate
@@ -72,7 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="qnorm", description="Integer and fixed-point normalization toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="measure every integer op against its float op; write out/")
+    demo = sub.add_parser(
+        "demo",
+        help="measure every integer op against its float op, train, compile for this CPU and check the "
+             "compiled models bit for bit; write out/",
+    )  # fmt: skip
     demo.add_argument("--out", default="out", help="directory for the markdown table and the PNG (default: out)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="train for a few epochs only (smoke test)")
@@ -95,6 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
     verify.add_argument("--golden-dir", help="golden store directory (default: tests/golden)")
     verify.set_defaults(func=_verify)
+
+    compile_ = sub.add_parser(
+        "compile",
+        help="compile a trained checkpoint for a target (proven bit-exact with the QAT model, or refused)",
+        description="Freeze, export and prove a checkpoint written by qnorm train exact on power-of-two grids, "
+                    "compile it through TVM Relax and write DIR/model.so + DIR/model.json. A model that "
+                    "cannot be proven exact (float softmax/GELU, non-power-of-two scales, float biases, "
+                    "accumulators past 2^24) is refused with every problem listed.",
+    )  # fmt: skip
+    compile_.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory written by qnorm train (safetensors + meta.json)"
+    )
+    compile_.add_argument(
+        "--target", default="x86_64", help="target name: x86_64 (default, the host CPU; x86 works too) compiles the whole model into one "
+        "library; fpga-hls writes one HLS project per qnorm layer"
+    )
+    compile_.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory for model.so and model.json")
+    compile_.set_defaults(func=_compile)
 
     golden = sub.add_parser("golden", help="check tests/golden against the golden model, or --regenerate it")
     golden.add_argument(

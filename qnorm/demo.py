@@ -1,10 +1,14 @@
-"""``make demo``: every integer op measured against its float op, written to out/."""
+"""``make demo``: every integer op measured against its float op, written to out/; then the
+deployment story (:func:`run_deploy_demo`): train, fold, compile, run, check bit for bit."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
-from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -126,3 +130,246 @@ def run_demo(out: Path, seed: int = 0) -> str:
     if bad:
         raise RuntimeError(f"folded and unfolded forms disagree on {bad} outputs")
     return text
+
+
+# --------------------------------------------------------------------------- deployment story
+
+# The deployable models the demo trains and compiles: name -> (model kind, config).
+DEPLOY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixer-int_ln": ("mixer", {"norm": "int_ln"}),
+    "snn-int_mpbn_lif-pow2": ("snn", {"neuron": "int_mpbn_lif", "pow2": True}),
+}
+
+
+class DeployMismatchError(RuntimeError):
+    """The compiled model's outputs differ from the QAT model's (the report is written first)."""
+
+
+@dataclass(frozen=True)
+class DeployRow:
+    """One deployed model: accuracy, the bit-exact check, and what compiling it cost."""
+
+    name: str
+    samples: int
+    qat_accuracy: float
+    compiled_accuracy: float
+    integers: int  # output integers compared (samples x classes)
+    mismatches: int  # of them, different in the compiled model: must be 0
+    train_seconds: float
+    compile_seconds: float
+    cache_hit: bool
+    run_seconds: float
+    directory: str
+    library_bytes: int
+    sha256: str
+    proof: str  # the exactness summary
+    headroom: list[float]  # bits below 2^24 of every proven accumulation, in graph order
+
+
+def deploy_recipes(quick: bool) -> dict[str, Any]:
+    """Training recipe per model kind: brief, since bit-exactness does not need accuracy."""
+    from qnorm.train.experiment import Recipe
+
+    if quick:
+        return {
+            "mixer": Recipe(epochs=2, lr=5e-3, train_samples=512),
+            "snn": Recipe(epochs=1, lr=3e-3, train_samples=512),
+        }
+    return {"mixer": Recipe(epochs=8, lr=5e-3), "snn": Recipe(epochs=4, lr=3e-3)}
+
+
+def train_deployable(kind: str, config: dict[str, Any], recipe: Any, seed: int, checkpoint: Path) -> float:
+    """Train one deployable model and save its checkpoint (as `qnorm train` does); seconds spent.
+
+    A module-level function: it runs in a worker process.
+    """
+    from torch.utils.data import TensorDataset
+
+    from qnorm.train.checkpoint import save_checkpoint
+    from qnorm.train.data import load_digits_data
+    from qnorm.train.experiment import brevitas_metadata
+    from qnorm.train.loop import seed_everything, train
+    from qnorm.train.models import build_model
+
+    seed_everything(seed)
+    model = build_model(kind, **config)
+    data = load_digits_data(model.input_layout, seed=seed)
+    if recipe.train_samples is not None:
+        x, y = data.train.tensors
+        data = replace(data, train=TensorDataset(x[: recipe.train_samples], y[: recipe.train_samples]))
+    result = train(model, data, recipe.epochs, recipe.lr, seed, batch_size=recipe.batch_size,
+                   weight_decay=recipe.weight_decay, progress=False)  # fmt: skip
+    training = {"recipe": asdict(recipe), "history": result.history, "test_accuracy": result.test_accuracy}
+    save_checkpoint(model, checkpoint, metadata={"training": training, "brevitas": brevitas_metadata(model)})
+    return result.seconds
+
+
+def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2) -> list[DeployRow]:
+    """Train briefly -> fold -> compile for this CPU -> run the test set -> bit-exact check.
+
+    Writes ``out/deploy.md``, ``out/deploy.png``, the checkpoints and the compiled
+    directories (``model.so`` + ``model.json``) under ``out/deploy/``, prints each
+    phase's time, and raises DeployMismatchError (after writing) when any output
+    integer of a compiled model differs from the QAT model's.
+    """
+    import torch
+
+    from compilers.tvm.graph import checkpoint_source, compile_model, load_compiled
+    from qnorm.nn import MPBNLIF, BNQuantAct
+    from qnorm.passes import fold_thresholds
+    from qnorm.train.checkpoint import load_checkpoint
+    from qnorm.train.data import load_digits_data
+
+    root = out / "deploy"
+    phases: dict[str, float] = {}
+    recipes = deploy_recipes(quick)
+    checkpoints = {name: root / "checkpoints" / name for name in DEPLOY_MODELS}
+
+    start = time.perf_counter()
+    work = [(kind, config, recipes[kind], seed, checkpoints[name]) for name, (kind, config) in DEPLOY_MODELS.items()]
+    train_seconds = dict(zip(DEPLOY_MODELS, _run_parallel(train_deployable, work, jobs)))
+    phases["train"] = time.perf_counter() - start
+
+    rows = []
+    for name in DEPLOY_MODELS:
+        model, meta = load_checkpoint(checkpoints[name])
+        data = load_digits_data(model.input_layout, seed=seed)
+        x, labels = data.test.tensors
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            want = model(x).numpy()  # the QAT model (eval): the reference
+        phases["qat reference"] = phases.get("qat reference", 0.0) + time.perf_counter() - start
+
+        start = time.perf_counter()
+        foldable = sum(isinstance(m, (MPBNLIF, BNQuantAct)) for m in model.modules())
+        deployable = fold_thresholds(model) if foldable else model  # BN before thresholds -> integer thresholds
+        if foldable:
+            with torch.no_grad():
+                if not np.array_equal(deployable(x).numpy(), want):
+                    raise DeployMismatchError(f"{name}: the folded model's outputs differ from the trained model's")
+            print(f"{name}: folded {foldable} BN-before-threshold layer(s); outputs identical on {len(x)} test samples")
+        phases["fold"] = phases.get("fold", 0.0) + time.perf_counter() - start
+
+        start = time.perf_counter()
+        compiled = compile_model(deployable, deployable.example_input(), "x86_64")
+        directory = compiled.save(root / name, source=checkpoint_source(checkpoints[name], meta))
+        phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - start
+        print(f"{name}: {compiled.metadata['exactness']['summary']}")
+        print(f"{name}: {'cache hit' if compiled.cache_hit else 'compiled'} in {compiled.seconds:.1f} s -> {directory}")
+
+        start = time.perf_counter()
+        loaded = load_compiled(directory)
+        got = loaded(x.numpy())
+        run_seconds = time.perf_counter() - start
+        phases["run"] = phases.get("run", 0.0) + run_seconds
+
+        start = time.perf_counter()
+        mismatches = int(np.sum(got != want))
+        info = loaded.metadata
+        rows.append(DeployRow(
+            name=name, samples=len(x), qat_accuracy=_accuracy(want, labels), compiled_accuracy=_accuracy(got, labels),
+            integers=int(got.size), mismatches=mismatches, train_seconds=train_seconds[name],
+            compile_seconds=compiled.seconds, cache_hit=compiled.cache_hit, run_seconds=run_seconds,
+            directory=str(directory), library_bytes=info["library"]["bytes"], sha256=info["library"]["sha256"],
+            proof=info["exactness"]["summary"],
+            headroom=[a["headroom_bits"] for a in info["exactness"]["accumulators"]],
+        ))  # fmt: skip
+        phases["check"] = phases.get("check", 0.0) + time.perf_counter() - start
+
+    start = time.perf_counter()
+    text = deploy_markdown(rows, quick)
+    (out / "deploy.md").write_text(text)
+    save_deploy_plot(rows, out / "deploy.png")
+    phases["report"] = time.perf_counter() - start
+    print(text)
+    print("phases: " + " | ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+    print(f"wrote {out / 'deploy.md'}, {out / 'deploy.png'} and {root}/")
+    bad = [r for r in rows if r.mismatches]
+    if bad:
+        raise DeployMismatchError(
+            "compiled outputs differ from the QAT model: "
+            + "; ".join(f"{r.name}: {r.mismatches}/{r.integers} integers" for r in bad)
+        )
+    return rows
+
+
+def _run_parallel(fn: Any, work: list[tuple[Any, ...]], jobs: int) -> list[Any]:
+    if jobs == 1 or len(work) == 1:
+        return [fn(*w) for w in work]
+    # spawn, not fork: forking a process that has started torch's thread pools can hang
+    with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [f.result() for f in [pool.submit(fn, *w) for w in work]]
+
+
+def _accuracy(logits: np.ndarray, labels: Any) -> float:
+    return float(np.mean(np.argmax(logits, axis=1) == np.asarray(labels)))
+
+
+def deploy_markdown(rows: list[DeployRow], quick: bool) -> str:
+    lines = [
+        "## Deployment: trained QAT model vs the model compiled for this CPU (TVM, x86_64)",
+        "",
+        "| model | test samples | QAT accuracy | compiled accuracy | mismatching output integers | train | compile "
+        "| run test set | library |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        compile_cell = f"{r.compile_seconds:.1f} s" + (" (cache hit)" if r.cache_hit else "")
+        lines.append(
+            f"| {r.name} | {r.samples} | {100 * r.qat_accuracy:.2f} % | {100 * r.compiled_accuracy:.2f} % | "
+            f"**{r.mismatches}** of {r.integers} | {r.train_seconds:.1f} s | {compile_cell} | "
+            f"{1e3 * r.run_seconds:.0f} ms | {r.library_bytes / 1024:.0f} KiB |"
+        )
+    lines.append("")
+    for r in rows:
+        lines.append(f"- {r.name}: {r.proof}; `{r.directory}` (sha256 {r.sha256[:16]}...)")
+    verdict = "bit-exact" if not any(r.mismatches for r in rows) else "**MISMATCH**"
+    lines += [
+        "",
+        f"Compiled vs QAT: {verdict} on every output integer of the whole test set"
+        + (" (quick run: briefly trained models)" if quick else "") + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
+    """Left: every proven accumulation's headroom below 2^24; right: accuracy QAT vs compiled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qnorm.deploy.exactness import EXACT_BITS
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    offset = 0
+    for r in rows:
+        pos = np.arange(offset, offset + len(r.headroom))
+        left.bar(pos, [EXACT_BITS - b for b in r.headroom], label=r.name)
+        offset += len(r.headroom) + 1
+    left.axhline(EXACT_BITS, color="black", linestyle="--", linewidth=1)
+    left.text(0, EXACT_BITS + 0.4, f"2^{EXACT_BITS}: float32 stops being exact", fontsize=8)
+    left.set_ylabel("proven bound (log2 of grid units)")
+    left.set_xlabel("accumulations (linear, conv, add, mean, pool) in graph order")
+    left.set_xticks([])
+    left.set_ylim(0, 30)
+    left.legend(fontsize=8, loc="upper right", ncols=2)
+    left.set_title("every float accumulation, proven below 2^24 units", fontsize=10)
+    width = 0.38
+    pos = np.arange(len(rows))
+    right.bar(pos - width / 2, [100 * r.qat_accuracy for r in rows], width, label="QAT (torch)")
+    right.bar(pos + width / 2, [100 * r.compiled_accuracy for r in rows], width, label="compiled (TVM)")
+    for p, r in zip(pos, rows):
+        top = 100 * max(r.qat_accuracy, r.compiled_accuracy)
+        right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=8)
+    right.set_xticks(pos, [r.name.split("-")[0] for r in rows])
+    right.set_ylabel("test accuracy (%)")
+    right.set_ylim(0, 135)
+    right.set_yticks(range(0, 101, 20))
+    right.legend(fontsize=8, loc="upper left", ncols=2)
+    right.set_title("test set", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

@@ -114,6 +114,12 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def power_of_two_ceil(scale: float) -> float:
+    """The smallest power of two >= ``scale`` (> 0), exactly (``frexp``/``ldexp``, no log)."""
+    mantissa, exponent = math.frexp(scale)
+    return scale if mantissa == 0.5 else math.ldexp(1.0, exponent)
+
+
 def to_op_layout(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """Golden ops take their parameter axis last: move the layer's channel axis there."""
     return t.movedim(channel_dim, -1)
@@ -222,6 +228,11 @@ class InputQuantizer(nn.Module):
     quantizer refuses one whose format differs; a calibrating quantizer adopts it.
     Rounding of float input is half up (qnorm's default, :meth:`QFormat.quantize`).
 
+    ``pow2``: the calibrated scale is rounded *up* to a power of two (so max |x| still
+    fits).  A power-of-two scale makes ``x / scale`` exact in any float format, which
+    is what lets a compiled float graph around the layer reproduce its integers
+    (:mod:`qnorm.deploy`).  Fixed formats are used as given.
+
     Under ``torch.distributed`` (initialized, training) the batch max |x| is the max
     over all ranks (one all-reduce MAX in ``process_group``, default the world), so
     every replica calibrates the same scale, the one single-process training on the
@@ -231,7 +242,13 @@ class InputQuantizer(nn.Module):
     running_max_abs: torch.Tensor
 
     def __init__(
-        self, fmt: QFormat | None = None, *, bits: int = 8, signed: bool = True, momentum: float = 0.1
+        self,
+        fmt: QFormat | None = None,
+        *,
+        bits: int = 8,
+        signed: bool = True,
+        momentum: float = 0.1,
+        pow2: bool = False,
     ) -> None:
         super().__init__()
         if fmt is not None and not isinstance(fmt, QFormat):
@@ -242,6 +259,7 @@ class InputQuantizer(nn.Module):
         self.bits, self.signed = (fmt.bits, fmt.signed) if fmt is not None else (bits, signed)
         self.hi = QFormat(self.bits, 1.0, self.signed).hi  # also validates bits
         self.momentum = momentum
+        self.pow2 = bool(pow2)
         self.register_buffer("running_max_abs", torch.zeros((), dtype=torch.float64))
         self._qt_fmt: QFormat | None = None
         self.sync_stats, self.process_group = True, None  # see the class docstring
@@ -254,7 +272,10 @@ class InputQuantizer(nn.Module):
         if self._qt_fmt is not None:
             return self._qt_fmt
         peak = float(self.running_max_abs)
-        return QFormat(self.bits, peak / self.hi, self.signed) if peak > 0 else None
+        if peak <= 0:
+            return None
+        scale = peak / self.hi
+        return QFormat(self.bits, power_of_two_ceil(scale) if self.pow2 else scale, self.signed)
 
     def forward(self, x: torch.Tensor | Any) -> QuantizedInput:
         if is_quant_tensor(x):
@@ -299,7 +320,8 @@ class InputQuantizer(nn.Module):
     def extra_repr(self) -> str:
         if self.fixed is not None:
             return f"fmt={self.fixed}"
-        return f"bits={self.bits}, signed={self.signed}, calibrated (momentum={self.momentum})"
+        pow2 = ", power-of-two scale" if self.pow2 else ""
+        return f"bits={self.bits}, signed={self.signed}, calibrated (momentum={self.momentum}{pow2})"
 
 
 # --------------------------------------------------------------------------- exact forward, surrogate backward

@@ -1,12 +1,21 @@
 """Small digit classifiers that the qnorm norm layers and spiking neurons plug into.
 
-Two models, both with int8 weights (Brevitas per-tensor float scale) and int8
-activation fake-quantization where a linear or conv consumes a non-integer tensor:
+Three models, all with int8 weights and int8 activation fake-quantization where a
+linear or conv consumes a non-integer tensor:
 
 * `DigitsTransformer`: row tokens -> 2 pre-norm encoder blocks -> mean-pool -> head.
-  Every norm layer comes from `norm_factory(kind, dim)`.
+  Every norm layer comes from `norm_factory(kind, dim)`. Float softmax and GELU:
+  not deployable by `qnorm compile`.
+* `DigitsMixer`: row tokens -> MLP-mixer blocks (token MLP, channel MLP, ReLU) ->
+  mean-pool -> head, with power-of-two scales everywhere: deployable.
 * `DigitsSNN`: direct-encoded convolutional spiking network. Every spiking neuron
-  comes from `neuron_factory(kind, channels)`.
+  comes from `neuron_factory(kind, channels)`; `pow2=True` makes it deployable.
+
+Deployable means every tensor between quantizers lies on a power-of-two grid:
+Brevitas fixed-point quantizers (power-of-two scales), Int32Bias biases (scale
+s_x * s_w: on the accumulator's grid), qnorm layers whose input quantizer
+calibrates a power-of-two scale, ReLU, and means over power-of-two counts. Then a
+compiled float graph reproduces the QAT model bit for bit (see `qnorm.deploy`).
 
 Extension: `register_norm(kind, ctor)` / `register_neuron(kind, ctor)`. A norm ctor
 takes the feature size and returns a module mapping (..., dim) -> (..., dim); a neuron
@@ -28,8 +37,17 @@ from typing import Any
 import brevitas.nn as qnn
 import torch
 import torch.nn.functional as F
-from brevitas.quant import Int8ActPerTensorFloatMinMaxInit, Int8WeightPerTensorFloat
+from brevitas.core.function_wrapper.ops_ste import CeilSte
+from brevitas.inject.enum import RestrictValueType
+from brevitas.quant import (
+    Int8ActPerTensorFloatMinMaxInit,
+    Int8WeightPerTensorFixedPoint,
+    Int8WeightPerTensorFloat,
+    Int32Bias,
+)
 from torch import nn
+
+from qnorm.nn._qat import InputQuantizer, IntModule
 
 ModuleCtor = Callable[[int], nn.Module]
 
@@ -195,6 +213,46 @@ def _linear(in_features: int, out_features: int) -> qnn.QuantLinear:
     )
 
 
+class Int8ActPerTensorPow2MinMaxInit(Int8ActPerTensorFloatMinMaxInit):
+    """`Int8ActPerTensorFloatMinMaxInit` with its learned scale restricted to a power of two.
+
+    Brevitas then learns log2 of the scale and rounds it up (`CeilSte`), as its
+    `Int8ActPerTensorFixedPoint` does; the min/max init (not runtime statistics)
+    keeps the reason given in `_act_quant`.
+    """
+
+    restrict_scaling_type = RestrictValueType.POWER_OF_TWO
+    restrict_value_float_to_int_impl = CeilSte
+
+
+def _pow2_act(act_range: float) -> Any:
+    return Int8ActPerTensorPow2MinMaxInit.let(min_val=-act_range, max_val=act_range)
+
+
+def _pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.QuantLinear:
+    """An int8 x int8 linear on power-of-two grids with a bias on the accumulator's grid.
+
+    The layer quantizes its own input: Int32Bias needs the input scale, which a
+    plain float input would not carry.
+    """
+    return qnn.QuantLinear(
+        in_features, out_features, bias=True, input_quant=_pow2_act(act_range),
+        weight_quant=Int8WeightPerTensorFixedPoint, bias_quant=Int32Bias, return_quant_tensor=False,
+    )  # fmt: skip
+
+
+def _pow2_calibrated(layer: nn.Module) -> nn.Module:
+    """`layer` with its calibrating input quantizer (if any) rounding the scale up to 2^k.
+
+    Float layers (kinds "float", "float_mpbn_lif") are returned unchanged: they
+    train, but `qnorm compile` refuses them.
+    """
+    if isinstance(layer, IntModule) and layer.input_quant.fixed is None:
+        q = layer.input_quant
+        layer.input_quant = InputQuantizer(bits=q.bits, signed=q.signed, momentum=q.momentum, pow2=True)
+    return layer
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     norm: str = "float"
@@ -268,11 +326,78 @@ class DigitsTransformer(nn.Module):
         self.head_quant = _act_quant(config.act_range)
         self.head = _linear(config.dim, config.classes)
 
+    def example_input(self, batch: int = 2) -> torch.Tensor:
+        """Zeros shaped like a batch of its input (row tokens)."""
+        return torch.zeros(batch, self.config.tokens, self.config.token_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(self.input_quant(x)) + self.pos
         for block in self.blocks:
             h = block(h)
         return self.head(self.head_quant(self.norm(h).mean(dim=1)))
+
+
+@dataclass(frozen=True)
+class MixerConfig:
+    norm: str = "int_ln"
+    tokens: int = 8
+    token_features: int = 8
+    dim: int = 32
+    depth: int = 2
+    token_hidden: int = 16
+    channel_hidden: int = 64
+    classes: int = 10
+    act_range: float = 4.0
+
+
+class _MixerBlock(nn.Module):
+    """Pre-norm token MLP and channel MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: MixerConfig) -> None:
+        super().__init__()
+        self.norm1 = _pow2_calibrated(norm_factory(cfg.norm, cfg.dim))
+        self.token_fc1 = _pow2_linear(cfg.tokens, cfg.token_hidden, cfg.act_range)
+        self.token_fc2 = _pow2_linear(cfg.token_hidden, cfg.tokens, cfg.act_range)
+        self.norm2 = _pow2_calibrated(norm_factory(cfg.norm, cfg.dim))
+        self.fc1 = _pow2_linear(cfg.dim, cfg.channel_hidden, cfg.act_range)
+        self.fc2 = _pow2_linear(cfg.channel_hidden, cfg.dim, cfg.act_range)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mixed = self.token_fc2(F.relu(self.token_fc1(self.norm1(h).transpose(1, 2))))
+        h = h + mixed.transpose(1, 2)
+        return h + self.fc2(F.relu(self.fc1(self.norm2(h))))
+
+
+class DigitsMixer(nn.Module):
+    """MLP-mixer over 8 row tokens of 8 pixels, integer-deployable end to end.
+
+    Every linear quantizes its input to int8 on a power-of-two grid and adds an
+    Int32Bias; norms calibrate power-of-two input scales and output int8 on 2^-5;
+    the only other ops are ReLU, residual additions and a mean over 8 tokens, all
+    exact on power-of-two grids. So `qnorm compile` can prove the compiled model
+    equal to this one (no softmax, no GELU: those have no exact float form).
+    """
+
+    kind = "mixer"
+    input_layout = "tokens"
+
+    def __init__(self, config: MixerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = _pow2_linear(config.token_features, config.dim, config.act_range)
+        self.blocks = nn.ModuleList(_MixerBlock(config) for _ in range(config.depth))
+        self.norm = _pow2_calibrated(norm_factory(config.norm, config.dim))
+        self.head = _pow2_linear(config.dim, config.classes, config.act_range)
+
+    def example_input(self, batch: int = 2) -> torch.Tensor:
+        """Zeros shaped like a batch of its input (row tokens)."""
+        return torch.zeros(batch, self.config.tokens, self.config.token_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h).mean(dim=1))
 
 
 @dataclass(frozen=True)
@@ -283,6 +408,7 @@ class SNNConfig:
     image_side: int = 8
     classes: int = 10
     act_range: float = 4.0
+    pow2: bool = False  # power-of-two quantizers and a quantized readout bias: deployable
 
 
 class DigitsSNN(nn.Module):
@@ -292,6 +418,11 @@ class DigitsSNN(nn.Module):
     every one of the T steps. Later convs see binary spikes, so they need no
     activation quantizer. The readout is a linear layer on 2x2-average-pooled spike
     rates (spike counts / 4T: an integer grid, again no quantizer needed).
+
+    With `config.pow2` every scale is a power of two (input and readout activations,
+    conv and readout weights, the neurons' calibrated input scales) and the readout
+    quantizes its input and bias (Int32Bias): the integer-neuron kinds then fold to
+    integer thresholds and compile exactly (`qnorm compile`).
     """
 
     kind = "snn"
@@ -300,7 +431,12 @@ class DigitsSNN(nn.Module):
     def __init__(self, config: SNNConfig) -> None:
         super().__init__()
         self.config = config
-        self.input_quant = _act_quant(config.act_range)
+        pow2 = config.pow2
+        self.input_quant = (
+            qnn.QuantIdentity(act_quant=_pow2_act(config.act_range), return_quant_tensor=False)
+            if pow2 else _act_quant(config.act_range)
+        )  # fmt: skip
+        weight_quant = Int8WeightPerTensorFixedPoint if pow2 else Int8WeightPerTensorFloat
         self.convs = nn.ModuleList()
         self.neurons = nn.ModuleList()
         in_channels = 1
@@ -308,14 +444,22 @@ class DigitsSNN(nn.Module):
             self.convs.append(
                 qnn.QuantConv2d(
                     in_channels, channels, 3, padding=1, bias=False,
-                    weight_quant=Int8WeightPerTensorFloat, return_quant_tensor=False,
+                    weight_quant=weight_quant, return_quant_tensor=False,
                 )
             )
-            self.neurons.append(neuron_factory(config.neuron, channels))
+            neuron = neuron_factory(config.neuron, channels)
+            self.neurons.append(_pow2_calibrated(neuron) if pow2 else neuron)
             in_channels = channels
         self.pool = nn.AvgPool2d(2)
-        pooled = config.image_side // 2
-        self.readout = _linear(in_channels * pooled * pooled, config.classes)
+        features = in_channels * (config.image_side // 2) ** 2
+        # Spike rates lie in [0, 1]: the readout's input quantizer covers exactly that.
+        self.readout = (
+            _pow2_linear(features, config.classes, 1.0) if pow2 else _linear(features, config.classes)
+        )
+
+    def example_input(self, batch: int = 2) -> torch.Tensor:
+        """Zeros shaped like a batch of its input (one-channel images)."""
+        return torch.zeros(batch, 1, self.config.image_side, self.config.image_side)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         steps, batch = self.config.time_steps, x.shape[0]
@@ -330,12 +474,13 @@ class DigitsSNN(nn.Module):
 
 _MODELS: dict[str, tuple[type[nn.Module], type]] = {
     DigitsTransformer.kind: (DigitsTransformer, TransformerConfig),
+    DigitsMixer.kind: (DigitsMixer, MixerConfig),
     DigitsSNN.kind: (DigitsSNN, SNNConfig),
 }
 
 
 def build_model(kind: str, **config: Any) -> nn.Module:
-    """Build "transformer" or "snn" from config fields (see the *Config dataclasses)."""
+    """Build "transformer", "mixer" or "snn" from config fields (see the *Config dataclasses)."""
     if kind not in _MODELS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(_MODELS)}")
     model_cls, config_cls = _MODELS[kind]

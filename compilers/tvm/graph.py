@@ -1,0 +1,453 @@
+"""Whole-model compilation: a trained qnorm model -> torch.export -> Relax -> one library.
+
+:func:`compile_model` freezes the model (:func:`qnorm.deploy.freeze`), exports it
+with a dynamic batch dimension, proves the exported float graph exact on
+power-of-two grids (:func:`qnorm.deploy.prove_exact`: refused otherwise), imports
+it with ``from_exported_program`` and compiles it with ``tvm.compile``.  Each
+``qnorm::int_op`` node becomes, via ``custom_convert_map``:
+
+    move the channel axis last -> quantize (TE: QFormat.quantize's own float64 steps,
+    half up, saturate) -> call_tir of the op's kernel (``kernel_for(op)``, its
+    per-channel constants as Relax constants) -> dequantize (TE: int * 2^k) -> move back
+
+Every other node is TVM's own conversion.  ``aten.round`` is legalized to
+``nearbyint`` (ties to even, like ``torch.round``; the tie tests pin that down).
+
+**Cache.**  Libraries live in ``$QNORM_CACHE/tvm/models/<key>.so``, keyed by the
+SHA-256 of the Relax module's text with its constants, the target and the TVM
+version.  Computing that key needs the export (seconds), so a second, *model*
+key indexes it for models that :func:`qnorm.train.models.model_spec` describes:
+the SHA-256 of the spec, every module's class, ``extra_repr`` and qnorm
+metadata (the golden ops' integer constants), every state tensor, the input
+signature, the target, the torch / Brevitas / TVM versions and the source text
+of ``qnorm`` and ``compilers`` (any code change misses).  Models with a module
+class from elsewhere get no model key (their code is not hashed).  A recompile
+of the same model reads one JSON file and loads the library: milliseconds.
+
+:meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
+formats, versions, the library's SHA-256, the source checkpoint);
+:func:`load_compiled` refuses a directory whose library does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import tvm
+import tvm_ffi
+from torch import nn
+from tvm import relax, te, tirx
+from tvm.relax.frontend.torch import from_exported_program
+
+from compilers.tvm.build import cache_dir, tvm_target
+from compilers.tvm.kernels import kernel_for
+from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
+from qnorm.deploy.freeze import int_op_info
+from qnorm.fixedpoint import DEFAULT_ROUND, Round
+from qnorm.qformat import QFormat
+from qnorm.targets import Target, load_target
+
+FORMAT = "qnorm.compiled"
+VERSION = 1
+LIBRARY = "model.so"
+METADATA = "model.json"
+_KEY_FORMAT = 1  # bump when a key recipe or the cache layout changes
+HOST_TARGETS = ("x86_64",)  # what compile runs on so far; others come with their runners
+ALIASES = {"x86": "x86_64"}
+_X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
+_SOURCE_PACKAGES = ("qnorm", "compilers")
+# Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
+_HASHED_CODE = ("qnorm.", "compilers.", "torch.", "brevitas.")
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def compile_target(target: str | Target) -> Target:
+    """The qnorm target (a name, ``x86`` meaning ``x86_64``, or a loaded Target), if
+    ``compile`` supports it yet."""
+    if isinstance(target, str):
+        target = load_target(ALIASES.get(target, target))  # unknown: its error lists the known targets
+    if target.name not in HOST_TARGETS:
+        raise ValueError(
+            f"target {target.name!r} is not supported by compile yet; supported: {', '.join(HOST_TARGETS)} "
+            "(the host CPU: the whole model) and fpga-hls (one HLS project per qnorm layer)"
+        )
+    return target
+
+
+# --------------------------------------------------------------------------- export -> Relax
+
+
+def to_relax(program: torch.export.ExportedProgram) -> tvm.IRModule:
+    """The decomposed ``program`` as a Relax module; qnorm ops call their kernels."""
+    return from_exported_program(
+        program,
+        custom_convert_map={"int_op.default": _convert_int_op},
+        run_ep_decomposition=False,  # qnorm.deploy.export decomposed it (the proof saw that graph)
+        unwrap_unit_return_tuple=True,
+    )
+
+
+def _convert_int_op(node: torch.fx.Node, importer: Any) -> relax.Expr:
+    info = int_op_info(node.args[1])
+    kernel = kernel_for(info.op)
+    bb = importer.block_builder
+    name = "qnorm_" + "".join(c if c.isalnum() else "_" for c in info.name)
+    x = importer.env[node.args[0]]
+    ndim = len(x.ty.shape)
+    channel = info.channel_dim % ndim
+    order = [d for d in range(ndim) if d != channel] + [channel]
+    moved = x if order == list(range(ndim)) else bb.emit(relax.op.permute_dims(x, order))
+    q = bb.emit_te(_quantizer(info.op.in_fmt, kernel.in_dtype), moved, primfunc_name_hint=f"{name}_quantize")
+    lead = 1 if kernel.time_major else 0
+    row = math.prod(kernel.row_shape)
+    shape = list(moved.ty.shape)
+    if [int(d) for d in shape[ndim - len(kernel.row_shape):]] != list(kernel.row_shape):
+        raise ValueError(f"{info.name}: input rows {shape} do not end in the kernel's row shape {kernel.row_shape}")
+    already_rows = ndim == lead + 2 and len(kernel.row_shape) == 1  # (T?, rows, C): the kernel's layout
+    flat = q if already_rows else bb.emit(relax.op.reshape(q, [*shape[:lead], -1, row]))
+    func = _kernel_func(kernel.mod).with_attr("global_symbol", name)
+    gv = bb.add_func(func, name)
+    consts = [relax.const(c) for c in kernel.consts]
+    out = bb.emit(relax.call_tir(gv, [flat, *consts], out_ty=relax.TensorType(flat.ty.shape, kernel.out_dtype)))
+    y = out if already_rows else bb.emit(relax.op.reshape(out, shape))
+    y = bb.emit_te(_dequantizer(info.op.out_fmt), y, primfunc_name_hint=f"{name}_dequantize")
+    inverse = [order.index(d) for d in range(ndim)]
+    return y if order == list(range(ndim)) else bb.emit(relax.op.permute_dims(y, inverse))
+
+
+def _kernel_func(mod: tvm.IRModule | tirx.PrimFunc) -> tirx.PrimFunc:
+    func = mod["main"] if isinstance(mod, tvm.IRModule) else mod
+    # Opaque: Relax's operator fusion must leave the hand-scheduled kernel as it is.
+    return func.with_attr("op_pattern", 8)
+
+
+def _quantizer(fmt: QFormat, dtype: str) -> Callable[[te.Tensor], te.Tensor]:
+    """TE of :meth:`QFormat.quantize` (default rounding): the same float64 steps.
+
+    ``t = x / scale`` in float64 (exact: the scale is a power of two and float32
+    widens exactly), clipped to ``[lo - 1, hi + 1]``, rounded half up as
+    ``floor(t) + (t - floor(t) >= 1/2)`` (``t - floor(t)`` is exact), saturated.
+    Mirrors :func:`qnorm.fixedpoint.round_float`, which cannot run on TIR (it
+    calls numpy's or torch's floor).
+    """
+    if DEFAULT_ROUND is not Round.HALF_UP:
+        raise NotImplementedError(f"quantizer TE mirrors half-up rounding, the default is {DEFAULT_ROUND}")
+    scale = tirx.const(fmt.scale, "float64")
+    lo, hi = float(fmt.lo), float(fmt.hi)
+
+    def element(v: Any) -> Any:
+        t = v.astype("float64") / scale
+        t = tirx.max(tirx.min(t, tirx.const(hi + 1, "float64")), tirx.const(lo - 1, "float64"))
+        fl = tirx.floor(t)
+        up = tirx.Select(t - fl >= tirx.const(0.5, "float64"), tirx.const(1.0, "float64"), tirx.const(0.0, "float64"))
+        q = tirx.max(tirx.min(fl + up, tirx.const(hi, "float64")), tirx.const(lo, "float64"))
+        return q.astype(dtype)
+
+    return lambda x: te.compute(x.shape, lambda *i: element(x(*i)), name="quantize")
+
+
+def _dequantizer(fmt: QFormat) -> Callable[[te.Tensor], te.Tensor]:
+    """``ints.to(float32) * scale``, as the QAT layers compute their output."""
+    scale = tirx.const(fmt.scale, "float32")
+    return lambda y: te.compute(y.shape, lambda *i: y(*i).astype("float32") * scale, name="dequantize")
+
+
+# --------------------------------------------------------------------------- compile + cache
+
+
+@dataclass
+class CompiledModel:
+    """A compiled model: call it on float32 numpy input of the recorded shape."""
+
+    library: Path
+    metadata: dict[str, Any]
+    cache_hit: bool = False  # nothing was compiled: found in the cache (or loaded from a directory)
+    seconds: float = 0.0  # compile_model's wall time (freeze .. load), or load_compiled's
+
+    def __post_init__(self) -> None:
+        self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.library)), tvm.cpu())
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        spec = self.metadata["input"]
+        want = spec["shape"]
+        if x.dtype != np.float32 or x.ndim != len(want) or x.shape[0] < 1 or list(x.shape[1:]) != want[1:]:
+            raise ValueError(f"compiled model takes float32 input of shape (batch, {', '.join(map(str, want[1:]))}), "
+                             f"got {x.dtype} {x.shape}")
+        if not np.isfinite(x).all():
+            raise ValueError("input contains NaN or Inf: no fixed-point value (the QAT model refuses them too)")
+        return self._vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x))).numpy()
+
+    def save(self, directory: str | Path, source: dict[str, Any] | None = None) -> Path:
+        """Write ``model.so`` and ``model.json`` into ``directory`` (created); ``source``
+        describes where the model came from (a checkpoint) and is recorded as given."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        library = directory / LIBRARY
+        shutil.copyfile(self.library, library)
+        record = {"file": LIBRARY, "bytes": library.stat().st_size, "sha256": sha256_file(library)}
+        meta = {**self.metadata, "library": record}
+        if source is not None:
+            meta["source"] = source
+        (directory / METADATA).write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
+        return directory
+
+
+def compile_model(model: nn.Module, example: torch.Tensor, target: str | Target = "x86_64") -> CompiledModel:
+    """Compile ``model`` for input like ``example`` (float32, dimension 0 the batch).
+
+    Raises :class:`qnorm.deploy.NotDeployableError` (a ValueError listing every
+    problem) when the exported graph cannot be proven exact, and ValueError for a
+    model that cannot be frozen or a target ``compile`` does not support.
+    """
+    start = time.perf_counter()
+    target = compile_target(target)
+    index = _index_path(model_key(model, example, target))
+    if index is not None and index.is_file():
+        entry = json.loads(index.read_text())
+        library = _library_path(entry["library_key"])
+        if library.is_file():
+            return CompiledModel(library, entry["metadata"], True, time.perf_counter() - start)
+    frozen = freeze(model)
+    program = export(frozen, example)
+    report = prove_exact(program)
+    mod = to_relax(program)
+    key = relax_key(mod, target)
+    library = _library_path(key)
+    hit = library.is_file()
+    if not hit:
+        _build_library(mod, target, library)
+    metadata = _metadata(program, report, target, key)
+    if index is not None:
+        _write_atomic(index, json.dumps({"library_key": key, "metadata": metadata}, indent=1) + "\n")
+    return CompiledModel(library, metadata, hit, time.perf_counter() - start)
+
+
+def compile_checkpoint(checkpoint: str | Path, target: str = "x86_64") -> tuple[CompiledModel, dict[str, Any]]:
+    """Compile a ``save_checkpoint`` directory: the compiled model and its ``source`` record."""
+    from qnorm.train.checkpoint import load_checkpoint
+
+    resolved = compile_target(target)  # refuse an unsupported target before loading anything
+    model, meta = load_checkpoint(checkpoint)
+    return compile_model(model, model.example_input(), resolved), checkpoint_source(checkpoint, meta)
+
+
+def checkpoint_source(checkpoint: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """What ``model.json`` records about the checkpoint a model was compiled from."""
+    from qnorm.train.checkpoint import META
+
+    path = Path(checkpoint)
+    return {
+        "checkpoint": str(path.resolve()),
+        "model": meta["model"],
+        "weights_sha256": meta["weights"]["sha256"],
+        "meta_sha256": sha256_file(path / META),
+    }
+
+
+def load_compiled(directory: str | Path) -> CompiledModel:
+    """Load a directory written by :meth:`CompiledModel.save`, refusing a corrupt or foreign one."""
+    start = time.perf_counter()
+    directory = Path(directory)
+    meta_path, library = directory / METADATA, directory / LIBRARY
+    for path in (meta_path, library):
+        if not path.is_file():
+            raise ValueError(f"compiled model {directory}: missing {path.name}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"compiled model {directory}: {METADATA} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"compiled model {directory}: {METADATA} is not a {FORMAT} version {VERSION} file")
+    for key in ("input", "output", "target", "versions", "library"):
+        if not isinstance(meta.get(key), dict):
+            raise ValueError(f"compiled model {directory}: {METADATA} lacks a valid {key!r} entry")
+    if sha256_file(library) != meta["library"].get("sha256"):
+        raise ValueError(f"compiled model {directory}: {LIBRARY} is corrupt or not the one {METADATA} describes "
+                         "(its sha256 differs)")
+    built_tvm = meta["versions"].get("tvm")
+    if built_tvm != tvm.__version__:
+        raise ValueError(f"compiled model {directory} was built with TVM {built_tvm}; this is TVM {tvm.__version__}: "
+                         "compile it again")
+    _check_cpu(directory, meta["target"].get("tvm") or {})
+    return CompiledModel(library, meta, True, time.perf_counter() - start)
+
+
+def _check_cpu(directory: Path, built: dict[str, Any]) -> None:
+    """Refuse a library built for a newer x86-64 level than this CPU has (it would crash)."""
+    host = load_target("x86_64").tvm_spec().get("mcpu")
+    level = built.get("mcpu")
+    if level in _X86_LEVELS and host in _X86_LEVELS and _X86_LEVELS.index(level) > _X86_LEVELS.index(host):
+        raise ValueError(f"compiled model {directory} was built for {level}; this CPU is {host}")
+
+
+def _build_library(mod: tvm.IRModule, target: Target, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    executable = tvm.compile(mod, target=tvm_target(target))
+    # Export under a private name, then rename: a concurrent compile of the same
+    # model never sees a half-written library.
+    tmp = library.with_name(f"{library.stem}.{os.getpid()}.tmp.so")
+    executable.export_library(str(tmp), cc=target.build.cc, options=list(target.build.cflags))
+    os.replace(tmp, library)
+
+
+def _metadata(
+    program: torch.export.ExportedProgram, report: ExactnessReport, target: Target, key: str
+) -> dict[str, Any]:
+    user = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in program.graph_signature.user_inputs]
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    outputs = [a for a in out_node.args[0]]
+    if len(user) != 1 or len(outputs) != 1:
+        raise ValueError(f"compile takes models with one input and one output, got {len(user)} and {len(outputs)}")
+    fmt = input_format(program)
+    grid = report.outputs[0]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "input": {
+            "name": user[0].name,
+            "shape": _shape(user[0]),
+            "dtype": "float32",
+            "format": None if fmt is None else {"bits": fmt.bits, "scale": fmt.scale, "signed": fmt.signed},
+        },
+        "output": {
+            "shape": _shape(outputs[0]),
+            "dtype": "float32",
+            # every output is k * 2^grid_exp with an integer |k| <= max_abs_int
+            "format": None if grid is None else {
+                "grid_exp": grid.exp, "scale": math.ldexp(1.0, grid.exp), "max_abs_int": grid.bound,
+            },  # fmt: skip
+        },
+        "target": {"name": target.name, "tvm": target.tvm_spec(), "host": target.tvm_host_spec()},
+        "versions": _versions(),
+        "cache_key": key,
+        "exactness": {"summary": report.summary(), **report.to_json()},
+    }
+
+
+def _shape(node: torch.fx.Node) -> list[int | None]:
+    return [int(d) if isinstance(d, int) else None for d in node.meta["val"].shape]
+
+
+def _versions() -> dict[str, str]:
+    import brevitas
+
+    return {"qnorm": importlib.metadata.version("qnorm"), "tvm": tvm.__version__, "torch": torch.__version__,
+            "brevitas": brevitas.__version__}
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def relax_key(mod: tvm.IRModule, target: Target) -> str:
+    """SHA-256 of the Relax module (text and constants), the target and the TVM version.
+
+    The text is printed without metadata (``show_meta=True`` crashes TVM 0.27 on
+    Relax constants); the constants, in the order a structural walk meets them,
+    are hashed from their bytes instead.
+    """
+    recipe = {
+        "format": _KEY_FORMAT,
+        "tvm": tvm.__version__,
+        "target": target.tvm_spec(),
+        "host": target.tvm_host_spec(),
+        "cc": target.build.cc,
+        "cflags": list(target.build.cflags),
+        "module": mod.script(),
+    }
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
+    for value in _tensor_constants(mod):
+        digest.update(f"{value.dtype}:{value.shape}:".encode() + np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
+def _tensor_constants(mod: tvm.IRModule) -> list[np.ndarray]:
+    found: list[np.ndarray] = []
+    seen: set[int] = set()
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, tvm.ir.GenericConst) and node.__chandle__() not in seen:
+            seen.add(node.__chandle__())
+            found.append(node.value.numpy())
+        return None
+
+    tvm_ffi.structural_walk(mod, visit, order="pre")
+    return found
+
+
+def model_key(model: nn.Module, example: torch.Tensor, target: Target) -> str | None:
+    """The model-level cache key (see the module docstring), or None for a model whose
+    code is not all in qnorm, torch and Brevitas (or that ``model_spec`` does not describe)."""
+    from qnorm.train.checkpoint import collect_module_metadata
+    from qnorm.train.models import model_spec
+
+    try:
+        spec = model_spec(model)
+    except TypeError:
+        return None
+    modules = [
+        (name, f"{type(m).__module__}.{type(m).__qualname__}", m.extra_repr()) for name, m in model.named_modules()
+    ]
+    if not all(cls.startswith(_HASHED_CODE) for _, cls, _ in modules):
+        return None
+    digest = hashlib.sha256()
+    recipe = {
+        "format": _KEY_FORMAT, "spec": spec, "modules": modules, "qnorm": collect_module_metadata(model),
+        "versions": _versions(), "source": source_digest(), "target": target.tvm_spec(),
+        "host": target.tvm_host_spec(), "cc": target.build.cc, "cflags": list(target.build.cflags),
+        "input": [list(example.shape[1:]), str(example.dtype)],
+    }  # fmt: skip
+    digest.update(json.dumps(recipe, sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def source_digest() -> str:
+    """SHA-256 over the Python source of the qnorm and compilers packages."""
+    digest = hashlib.sha256()
+    for package in _SOURCE_PACKAGES:
+        for path in sorted((_REPO / package).rglob("*.py")):
+            digest.update(str(path.relative_to(_REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def _library_path(key: str) -> Path:
+    return _models_dir() / f"{key}.so"
+
+
+def _index_path(key: str | None) -> Path | None:
+    return None if key is None else _models_dir() / f"index-{key}.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

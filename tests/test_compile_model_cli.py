@@ -1,0 +1,143 @@
+"""`qnorm compile CHECKPOINT --target x86_64 -o DIR`: the round trip through a checkpoint and
+a compiled directory, the refusals (targets, a transformer), and corrupt directories."""
+
+import json
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from compilers.tvm.graph import load_compiled, sha256_file
+from qnorm.cli import main
+from qnorm.train.checkpoint import load_checkpoint, save_checkpoint
+from qnorm.train.data import load_digits_data
+from qnorm.train.loop import seed_everything, train
+from qnorm.train.models import build_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A briefly trained deployable mixer, saved as `qnorm train` saves models; its test inputs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QNORM_CACHE", str(tmp_path_factory.mktemp("compile-cache")))
+        seed_everything(1)
+        model = build_model("mixer", dim=16, depth=1, token_hidden=8, channel_hidden=16)
+        data = load_digits_data("tokens", seed=0)
+        x, y = data.train.tensors
+        train(model, replace(data, train=TensorDataset(x[:128], y[:128])), 1, 5e-3, 1, progress=False)
+        path = save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "mixer")
+        yield path, data.test.tensors[0]
+
+
+@pytest.fixture(scope="module")
+def compiled_dir(checkpoint, tmp_path_factory):
+    path, _ = checkpoint
+    out = tmp_path_factory.mktemp("compiled") / "mixer"
+    assert main(["compile", str(path), "--target", "x86_64", "-o", str(out)]) == 0
+    return out
+
+
+def test_compile_round_trip_gives_the_checkpoint_model_outputs(checkpoint, compiled_dir):
+    path, x = checkpoint
+    model, meta = load_checkpoint(path)
+    with torch.no_grad():
+        want = model(x).numpy()
+    loaded = load_compiled(compiled_dir)
+    assert np.array_equal(loaded(x.numpy()), want)
+    info = json.loads((compiled_dir / "model.json").read_text())
+    assert info["library"]["sha256"] == sha256_file(compiled_dir / "model.so")
+    assert info["source"]["weights_sha256"] == meta["weights"]["sha256"] and info["source"]["model"] == meta["model"]
+    assert info["input"]["shape"] == [None, 8, 8] and info["target"]["name"] == "x86_64"
+    assert set(info["versions"]) == {"qnorm", "tvm", "torch", "brevitas"}
+
+
+def test_x86_alias_recompiles_from_the_cache(checkpoint, compiled_dir, tmp_path, capsys):
+    path, _ = checkpoint
+    assert main(["compile", str(path), "--target", "x86", "-o", str(tmp_path / "again")]) == 0
+    assert "cache hit for x86_64" in capsys.readouterr().out
+    assert (tmp_path / "again" / "model.so").read_bytes() == (compiled_dir / "model.so").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [("aarch64", "target 'aarch64' is not supported by compile yet"), ("vax", "unknown target 'vax'; known targets: ")],
+)
+def test_unsupported_and_unknown_targets_are_refused(checkpoint, tmp_path, capsys, target, message):
+    path, _ = checkpoint
+    assert main(["compile", str(path), "--target", target, "-o", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_fpga_hls_writes_a_project_per_norm_layer_whose_csim_passes(checkpoint, tmp_path, capsys):
+    from compilers.fpga import csim, csource
+    from qnorm.deploy import integer_ops
+    from qnorm.targets import load_target
+
+    path, _ = checkpoint
+    out = tmp_path / "hls"
+    assert main(["compile", str(path), "--target", "fpga-hls", "-o", str(out)]) == 0
+    model, _ = load_checkpoint(path)
+    names = list(integer_ops(model))
+    assert names and sorted(p.name for p in out.iterdir()) == sorted(names)
+    printed = capsys.readouterr().out
+    assert all(f"  {name}: " in printed for name in names)
+    target = load_target("fpga-hls")
+    if csim.compiler_unavailable(target) is not None:
+        pytest.skip(csim.compiler_unavailable(target))
+    project = out / names[0]
+    assert "set_top qnorm_top" in (project / csource.TCL).read_text()
+    done = csim.run_testbench(csim.build_csim(project, target).binary, project / csource.VECTORS)
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stderr
+
+
+def test_transformer_checkpoint_is_refused_naming_softmax_and_gelu(tmp_path, capsys):
+    model = build_model("transformer", norm="int_ln")
+    model.train()(torch.randn(8, 8, 8))  # calibrate the integer norms
+    path = save_checkpoint(model, tmp_path / "transformer")
+    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not deployable bit-exactly" in err
+    assert "blocks.0.attn: aten._softmax (softmax) has no exact float form" in err
+    assert "blocks.0: aten.gelu (GELU) has no exact float form" in err
+    assert "embed: the weights are not on a coarse power-of-two grid" in err  # Int8WeightPerTensorFloat
+
+
+def corrupt_library(d):
+    data = bytearray((d / "model.so").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "model.so").write_bytes(bytes(data))
+
+
+def other_library_hash(d):
+    meta = json.loads((d / "model.json").read_text())
+    meta["library"]["sha256"] = "0" * 64
+    (d / "model.json").write_text(json.dumps(meta))
+
+
+def foreign_tvm(d):
+    meta = json.loads((d / "model.json").read_text())
+    meta["versions"]["tvm"] = "0.1.0"
+    (d / "model.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (corrupt_library, "model.so is corrupt or not the one model.json describes"),
+        (other_library_hash, "model.so is corrupt or not the one model.json describes"),
+        (lambda d: (d / "model.so").unlink(), "missing model.so"),
+        (lambda d: (d / "model.json").write_text("{"), "model.json is not valid JSON"),
+        (lambda d: (d / "model.json").write_text('{"format": "other"}'), "is not a qnorm.compiled version 1 file"),
+        (foreign_tvm, "was built with TVM 0.1.0"),
+    ],
+)
+def test_corrupt_or_foreign_directory_is_refused(compiled_dir, tmp_path, damage, message):
+    d = tmp_path / "copy"
+    shutil.copytree(compiled_dir, d)
+    damage(d)
+    with pytest.raises(ValueError, match=message):
+        load_compiled(d)
