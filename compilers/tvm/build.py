@@ -63,14 +63,21 @@ def tvm_target(target: Target) -> tvm.target.Target:
     )
 
 
-def cache_key(mod: tirx.PrimFunc | tvm.IRModule, target: Target) -> str:
-    recipe = {
-        "format": _KEY_FORMAT,
+def build_recipe(target: Target) -> dict[str, Any]:
+    """What a compiled library depends on besides its module: TVM, the target, the linker."""
+    return {
         "tvm": tvm.__version__,
         "target": target.tvm_spec(),
         "host": target.tvm_host_spec(),
         "cc": target.build.cc,
         "cflags": list(target.build.cflags),
+    }
+
+
+def cache_key(mod: tirx.PrimFunc | tvm.IRModule, target: Target) -> str:
+    recipe = {
+        "format": _KEY_FORMAT,
+        **build_recipe(target),
         "module": _as_module(mod).script(show_meta=True),
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()

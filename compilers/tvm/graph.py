@@ -51,7 +51,7 @@ from torch import nn
 from tvm import relax, te, tirx
 from tvm.relax.frontend.torch import from_exported_program
 
-from compilers.tvm.build import cache_dir, tvm_target
+from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
 from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
 from qnorm.deploy.freeze import int_op_info
@@ -358,15 +358,7 @@ def relax_key(mod: tvm.IRModule, target: Target) -> str:
     Relax constants); the constants, in the order a structural walk meets them,
     are hashed from their bytes instead.
     """
-    recipe = {
-        "format": _KEY_FORMAT,
-        "tvm": tvm.__version__,
-        "target": target.tvm_spec(),
-        "host": target.tvm_host_spec(),
-        "cc": target.build.cc,
-        "cflags": list(target.build.cflags),
-        "module": mod.script(),
-    }
+    recipe = {"format": _KEY_FORMAT, **build_recipe(target), "module": mod.script()}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode())
     for value in _tensor_constants(mod):
         digest.update(f"{value.dtype}:{value.shape}:".encode() + np.ascontiguousarray(value).tobytes())
