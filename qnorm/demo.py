@@ -3,10 +3,8 @@ deployment story (:func:`run_deploy_demo`): train, fold, compile, run, check bit
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,41 +165,15 @@ class DeployRow:
 
 
 def deploy_recipes(quick: bool) -> dict[str, Any]:
-    """Training recipe per model kind: brief, since bit-exactness does not need accuracy."""
+    """Training recipe per `qnorm train` family: brief, since bit-exactness does not need accuracy."""
     from qnorm.train.experiment import Recipe
 
     if quick:
         return {
             "mixer": Recipe(epochs=2, lr=5e-3, train_samples=512),
-            "snn": Recipe(epochs=1, lr=3e-3, train_samples=512),
+            "snn-pow2": Recipe(epochs=1, lr=3e-3, train_samples=512),
         }
-    return {"mixer": Recipe(epochs=8, lr=5e-3), "snn": Recipe(epochs=4, lr=3e-3)}
-
-
-def train_deployable(kind: str, config: dict[str, Any], recipe: Any, seed: int, checkpoint: Path) -> float:
-    """Train one deployable model and save its checkpoint (as `qnorm train` does); seconds spent.
-
-    A module-level function: it runs in a worker process.
-    """
-    from torch.utils.data import TensorDataset
-
-    from qnorm.train.checkpoint import save_checkpoint
-    from qnorm.train.data import load_digits_data
-    from qnorm.train.experiment import brevitas_metadata
-    from qnorm.train.loop import seed_everything, train
-    from qnorm.train.models import build_model
-
-    seed_everything(seed)
-    model = build_model(kind, **config)
-    data = load_digits_data(model.input_layout, seed=seed)
-    if recipe.train_samples is not None:
-        x, y = data.train.tensors
-        data = replace(data, train=TensorDataset(x[: recipe.train_samples], y[: recipe.train_samples]))
-    result = train(model, data, recipe.epochs, recipe.lr, seed, batch_size=recipe.batch_size,
-                   weight_decay=recipe.weight_decay, progress=False)  # fmt: skip
-    training = {"recipe": asdict(recipe), "history": result.history, "test_accuracy": result.test_accuracy}
-    save_checkpoint(model, checkpoint, metadata={"training": training, "brevitas": brevitas_metadata(model)})
-    return result.seconds
+    return {"mixer": Recipe(epochs=8, lr=5e-3), "snn-pow2": Recipe(epochs=4, lr=3e-3)}
 
 
 def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2) -> list[DeployRow]:
@@ -219,6 +191,7 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     from qnorm.passes import fold_thresholds
     from qnorm.train.checkpoint import load_checkpoint
     from qnorm.train.data import load_digits_data
+    from qnorm.train.experiment import Job, family_of, run_jobs
 
     root = out / "deploy"
     phases: dict[str, float] = {}
@@ -226,8 +199,13 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     checkpoints = {name: root / "checkpoints" / name for name in DEPLOY_MODELS}
 
     start = time.perf_counter()
-    work = [(kind, config, recipes[kind], seed, checkpoints[name]) for name, (kind, config) in DEPLOY_MODELS.items()]
-    train_seconds = dict(zip(DEPLOY_MODELS, _run_parallel(train_deployable, work, jobs)))
+    # Trained as `qnorm train --family mixer snn-pow2` trains them, with the demo's recipes.
+    work = []
+    for name, (kind, config) in DEPLOY_MODELS.items():
+        family, family_kind = family_of(kind, config)
+        work.append(Job(family, family_kind, recipes[family], seed, checkpoints[name], progress=False))
+    summaries = run_jobs(work, min(jobs, len(work)), progress=False)
+    train_seconds = {name: s["train_seconds"] for name, s in zip(DEPLOY_MODELS, summaries)}
     phases["train"] = time.perf_counter() - start
 
     rows = []
@@ -292,14 +270,6 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
             + "; ".join(f"{r.name}: {r.mismatches}/{r.integers} integers" for r in bad)
         )
     return rows
-
-
-def _run_parallel(fn: Any, work: list[tuple[Any, ...]], jobs: int) -> list[Any]:
-    if jobs == 1 or len(work) == 1:
-        return [fn(*w) for w in work]
-    # spawn, not fork: forking a process that has started torch's thread pools can hang
-    with ProcessPoolExecutor(max_workers=min(jobs, len(work)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return [f.result() for f in [pool.submit(fn, *w) for w in work]]
 
 
 def _accuracy(logits: np.ndarray, labels: Any) -> float:

@@ -48,7 +48,7 @@ class BNQuantAct(BNQATModule):
     ``out_fmt``: the activation format (its word range is the level range, e.g. 4-bit
     unsigned = a quantized ReLU with 16 levels).  ``in_fmt``: a fixed input format, or
     None to calibrate an ``in_bits`` (un)signed per-tensor scale in training
-    (:class:`~qnorm.nn._qat.InputQuantizer`).  ``rounding``: the tie rule of the
+    (:class:`~qnorm.nn._qat.InputQuantizer`; a power of two with ``pow2``).  ``rounding``: the tie rule of the
     activation (half up by default).  Output: float ``level * s_out``, or an
     IntQuantTensor with ``return_quant_tensor=True``.
     """
@@ -67,6 +67,7 @@ class BNQuantAct(BNQATModule):
         rounding: Round | str = DEFAULT_ROUND,
         eps: float = 1e-5,
         momentum: float = 0.1,
+        pow2: bool = False,
         gamma_bits: int = 16,
         frac_bits: int = 8,
         out_frac_bits: int = 8,
@@ -74,7 +75,7 @@ class BNQuantAct(BNQATModule):
     ) -> None:
         if not isinstance(out_fmt, QFormat):
             raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
-        quant = InputQuantizer(in_fmt, bits=in_bits, signed=in_signed, momentum=momentum)
+        quant = InputQuantizer(in_fmt, bits=in_bits, signed=in_signed, momentum=momentum, pow2=pow2)
         super().__init__(
             channels, quant, return_quant_tensor, eps=eps, momentum=momentum,
             gamma_bits=gamma_bits, frac_bits=frac_bits, out_frac_bits=out_frac_bits,

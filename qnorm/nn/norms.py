@@ -98,6 +98,7 @@ class _IntNorm(QATModule):
         in_fmt: QFormat | None = None,
         in_bits: int = 8,
         momentum: float = 0.1,
+        pow2: bool = False,
         rounding: Round | str = DEFAULT_ROUND,
         return_quant_tensor: bool = False,
         device: torch.device | str | None = None,
@@ -108,7 +109,8 @@ class _IntNorm(QATModule):
             raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-        super().__init__(n, InputQuantizer(in_fmt, bits=in_bits, momentum=momentum), return_quant_tensor)
+        quant = InputQuantizer(in_fmt, bits=in_bits, momentum=momentum, pow2=pow2)
+        super().__init__(n, quant, return_quant_tensor)
         self.normalized_shape = (n,)
         self.eps = float(eps)
         self.elementwise_affine = bool(elementwise_affine)
@@ -231,7 +233,8 @@ class IntLayerNorm(_IntNorm):
     ``out_fmt``: the output format (default int8 covering ±4, the golden ops'
     default).  ``in_fmt``: a fixed input format, or None to calibrate an
     ``in_bits``-wide signed per-tensor scale in training (``momentum``: its moving
-    average).  ``rounding``: the tie rule of every rounding in the op (half up by
+    average; ``pow2``: rounded up to a power of two, as a compiled model needs).
+    ``rounding``: the tie rule of every rounding in the op (half up by
     default).  Output: a float tensor, or an IntQuantTensor with
     ``return_quant_tensor=True``.
     """
@@ -297,6 +300,7 @@ class IntRMSNorm(_IntNorm):
         in_fmt: QFormat | None = None,
         in_bits: int = 8,
         momentum: float = 0.1,
+        pow2: bool = False,
         rounding: Round | str = DEFAULT_ROUND,
         return_quant_tensor: bool = False,
         device: torch.device | str | None = None,
@@ -306,8 +310,8 @@ class IntRMSNorm(_IntNorm):
             raise ValueError(f"partial must be a number in (0, 1], got {partial!r}")
         super().__init__(
             normalized_shape, eps, elementwise_affine, False, out_fmt=out_fmt, in_fmt=in_fmt, in_bits=in_bits,
-            momentum=momentum, rounding=rounding, return_quant_tensor=return_quant_tensor, device=device,
-            dtype=dtype,
+            momentum=momentum, pow2=pow2, rounding=rounding, return_quant_tensor=return_quant_tensor,
+            device=device, dtype=dtype,
         )  # fmt: skip
         self.partial = float(partial)
         # k = ceil(p N) from the float's exact value: RMSNormConfig.prefix's rule (tested equal);
@@ -325,9 +329,9 @@ class IntRMSNorm(_IntNorm):
         return y * w if w is not None else y
 
 
-def one_term_shift_layernorm(normalized_shape: int) -> ShiftLayerNorm:
+def one_term_shift_layernorm(normalized_shape: int, *, pow2: bool = False) -> ShiftLayerNorm:
     """ShiftLayerNorm with a one-term (pure power-of-two) 1/σ: the ``shift1`` training kind."""
-    return ShiftLayerNorm(normalized_shape, mantissa_terms=1)
+    return ShiftLayerNorm(normalized_shape, mantissa_terms=1, pow2=pow2)
 
 
 # Module-level ctors, so registering again (a re-import) passes the same objects,
@@ -344,11 +348,12 @@ TRAINING_KINDS: dict[str, Any] = {
 def register_training_kinds() -> None:
     """Register the layers as norm kinds of :func:`qnorm.train.models.norm_factory`.
 
-    Imports qnorm.train (and so brevitas) only when called, never on ``import qnorm.nn``.
+    Every one is deployable (its ctor takes ``pow2``).  Imports qnorm.train (and so
+    brevitas) only when called, never on ``import qnorm.nn``.
     """
     from qnorm.nn.spiking import MPBNLIF
     from qnorm.train.models import register_neuron, register_norm
 
     for kind, ctor in TRAINING_KINDS.items():
-        register_norm(kind, ctor)
-    register_neuron("int_mpbn_lif", MPBNLIF)
+        register_norm(kind, ctor, deployable=True)
+    register_neuron("int_mpbn_lif", MPBNLIF, deployable=True)

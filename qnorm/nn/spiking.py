@@ -97,7 +97,8 @@ class MPBNLIF(BNQATModule):
     or None (no leak).  ``membrane_bits``/``saturate``: the membrane word; saturation
     (default) keeps every run in range, without it the range analysis must prove
     ``max_steps`` steps fit.  ``in_fmt``: fixed current format, or None to calibrate an
-    ``in_bits`` signed scale in training.  ``alpha``: arctan surrogate sharpness.
+    ``in_bits`` signed scale in training (a power of two with ``pow2``, as a compiled model
+    needs).  ``alpha``: arctan surrogate sharpness.
     Output: spikes 0/1 as float (scale 1), or an IntQuantTensor (2-bit unsigned word).
     """
 
@@ -120,13 +121,14 @@ class MPBNLIF(BNQATModule):
         in_bits: int = 8,
         eps: float = 1e-5,
         momentum: float = 0.1,
+        pow2: bool = False,
         alpha: float = 2.0,
         gamma_bits: int = 16,
         frac_bits: int = 8,
         out_frac_bits: int = 8,
         return_quant_tensor: bool = False,
     ) -> None:
-        quant = InputQuantizer(in_fmt, bits=in_bits, signed=True, momentum=momentum)
+        quant = InputQuantizer(in_fmt, bits=in_bits, signed=True, momentum=momentum, pow2=pow2)
         super().__init__(
             channels, quant, return_quant_tensor, eps=eps, momentum=momentum,
             gamma_bits=gamma_bits, frac_bits=frac_bits, out_frac_bits=out_frac_bits,

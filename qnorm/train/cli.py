@@ -20,13 +20,14 @@ def _positive(text: str) -> int:
 def _train(args: argparse.Namespace) -> int:
     # Imported here so that `qnorm --help` and the other subcommands stay fast
     # (torch, brevitas and scikit-learn load only for a training run).
-    from qnorm.train.experiment import DEFAULT_KINDS, FoldMismatchError, default_jobs, run_training
+    from qnorm.train.experiment import DEFAULT_FAMILIES, FoldMismatchError, default_jobs, run_training
 
     jobs = args.jobs or (1 if args.quick else default_jobs())
     try:
         table = run_training(
-            args.out, epochs=args.epochs, seed=args.seed, kinds=args.kinds or DEFAULT_KINDS,
-            quick=args.quick, progress=not args.no_progress, jobs=jobs,
+            args.out, epochs=args.epochs, seed=args.seed, kinds=args.kinds,
+            families=args.family or DEFAULT_FAMILIES, quick=args.quick,
+            progress=not args.no_progress, jobs=jobs,
         )
     except FoldMismatchError as err:
         print(f"qnorm train: FAILED: {err}", file=sys.stderr)
@@ -40,30 +41,36 @@ def _train(args: argparse.Namespace) -> int:
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `train` to the `qnorm` subcommands; its handler is `args.func(args)` -> exit code.
 
-    An unknown kind or bad setting raises ValueError before anything trains (the main
-    CLI turns it into a one-line error); a folded SNN that predicts differently from
-    the unfolded one exits 1 after the tables are written.
+    An unknown family or kind, or a bad setting, raises ValueError before anything
+    trains (the main CLI turns it into a one-line error); a folded SNN that predicts
+    differently from the unfolded one exits 1 after the tables are written.
     """
     parser = subparsers.add_parser(
         "train",
-        help="train the digits transformer per norm and the MPBN SNN; write checkpoints and "
-             "an accuracy table",
+        help="train the digits transformer per norm and the MPBN SNN (or the deployable mixer "
+             "and pow2 SNN); write checkpoints and an accuracy table",
         description="Train, on scikit-learn's bundled digits, the int8 transformer once per "
                     "norm kind and the spiking CNN per neuron kind (the integer MPBN LIF also "
-                    "folded); print and write the accuracy table (accuracy.md, accuracy.json) "
-                    "and pickle-free checkpoints.",
+                    "folded), or with --family the deployable models; print and write the "
+                    "accuracy table (accuracy.md, accuracy.json) and pickle-free checkpoints.",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"output directory (default: {DEFAULT_OUT})")
+    parser.add_argument("--family", nargs="+", metavar="FAMILY",
+                        help="model families to train: transformer (norm kinds), snn (neuron "
+                             "kinds), and the deployable ones whose checkpoints `qnorm compile` "
+                             "takes: mixer (integer norm kinds), snn-pow2 (integer neuron kinds); "
+                             "default: transformer snn")
     parser.add_argument("--epochs", type=_positive,
-                        help="epochs for every model (default: 20 transformer, 8 SNN; "
+                        help="epochs for every model (default: 20 transformer and mixer, 8 SNN; "
                              "--quick: 4 and 2)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the split, the initialization and the data order (default 0)")
     parser.add_argument("--kinds", nargs="+", metavar="KIND",
-                        help="norm kinds (train the transformer) and neuron kinds (train the "
-                             "SNN); default: float LN, every integer norm (int_ln l1 shift "
-                             "int_rms) and the float and integer MPBN LIF neurons")
+                        help="norm and neuron kinds, each trained in every chosen family that "
+                             "takes it; default per family: transformer float LN and every "
+                             "integer norm (int_ln l1 shift int_rms), snn the float and integer "
+                             "MPBN LIF, mixer every integer norm, snn-pow2 int_mpbn_lif")
     parser.add_argument("--quick", action="store_true",
                         help="smoke-test size: few epochs on 512 training samples")
     parser.add_argument("--jobs", type=_positive,

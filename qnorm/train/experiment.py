@@ -1,12 +1,17 @@
 """`qnorm train`: train every norm and neuron kind on digits and tabulate test accuracy.
 
-One run trains, with the same seed and recipe per model,
+One run trains, with the same seed and recipe per model, each requested kind in each
+model family (`FAMILIES`) that takes it. By default (families "transformer", "snn"):
 
 * the digits transformer (int8 Brevitas linears) once per norm kind: the float
   ``nn.LayerNorm`` reference and the integer norms (IntLayerNorm, L1, Shift, IntRMSNorm);
 * the convolutional SNN with the integer QAT MPBN LIF neuron ("int_mpbn_lif"),
   evaluated as trained (unfolded) and after ``fold_thresholds`` (one integer threshold
   per channel), plus the float MPBN LIF reference ("float_mpbn_lif").
+
+The deployable families, "mixer" (per integer norm kind) and "snn-pow2" (per integer
+neuron kind), train models with power-of-two scales throughout, whose checkpoints
+`qnorm compile` turns into libraries that reproduce them bit for bit.
 
 Every trained model is saved with `save_checkpoint` (safetensors + meta.json, which
 records each qnorm layer's ``qnorm_metadata()``, the Brevitas int8 weight/activation
@@ -46,9 +51,45 @@ from qnorm.train.data import DigitsData, load_digits_data
 from qnorm.train.loop import eval_loader, evaluate, seed_everything, torch_threads, train
 from qnorm.train.models import build_model, neuron_kinds, norm_kinds
 
-# The float kind each family's rows are compared with.
-REFERENCES = {"transformer": "float", "snn": "float_mpbn_lif"}
-DEFAULT_KINDS = ("float", "int_ln", "l1", "shift", "int_rms", "float_mpbn_lif", "int_mpbn_lif")
+
+@dataclass(frozen=True)
+class Family:
+    """A model trained once per kind: ``build_model(model, **{slot: kind}, **options)``.
+
+    `deployable`: only kinds whose layers calibrate power-of-two scales (every
+    checkpoint compiles); `defaults`: the kinds trained when none are named;
+    `reference`: the float kind the family's rows are compared with (None: none).
+    """
+
+    model: str
+    slot: str  # "norm" or "neuron": the config field the kind fills
+    defaults: tuple[str, ...]
+    reference: str | None
+    deployable: bool = False
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def config(self, kind: str) -> dict[str, Any]:
+        return {self.slot: kind, **dict(self.options)}
+
+    def kinds(self) -> list[str]:
+        """The registered kinds this family trains."""
+        listing = norm_kinds if self.slot == "norm" else neuron_kinds
+        return listing(deployable=self.deployable)
+
+    def describe(self) -> str:
+        return f"{'deployable ' if self.deployable else ''}{self.slot} kinds"
+
+
+_INTEGER_NORMS = ("int_ln", "l1", "shift", "int_rms")
+FAMILIES = {
+    "transformer": Family("transformer", "norm", ("float", *_INTEGER_NORMS), "float"),
+    "snn": Family("snn", "neuron", ("float_mpbn_lif", "int_mpbn_lif"), "float_mpbn_lif"),
+    "mixer": Family("mixer", "norm", _INTEGER_NORMS, None, deployable=True),
+    "snn-pow2": Family("snn", "neuron", ("int_mpbn_lif",), None, deployable=True,
+                       options=(("pow2", True),)),
+}
+DEFAULT_FAMILIES = ("transformer", "snn")
+DEFAULT_KINDS = tuple(k for f in DEFAULT_FAMILIES for k in FAMILIES[f].defaults)
 GOAL_POINTS = 1.0
 CHECKPOINTS = "checkpoints"
 TABLE_MD = "accuracy.md"
@@ -70,18 +111,26 @@ class Recipe:
     train_samples: int | None = None
 
 
-# The tested recipes of tests/test_train.py (float transformer ~0.97, float SNN ~0.99).
-FULL_RECIPES = {"transformer": Recipe(epochs=20, lr=5e-3), "snn": Recipe(epochs=8, lr=3e-3)}
+# The tested recipes of tests/test_train.py (float transformer ~0.97, float SNN ~0.99);
+# the deployable families reuse their token / image model's recipe.
+FULL_RECIPES = {
+    "transformer": Recipe(epochs=20, lr=5e-3),
+    "snn": Recipe(epochs=8, lr=3e-3),
+    "mixer": Recipe(epochs=20, lr=5e-3),
+    "snn-pow2": Recipe(epochs=8, lr=3e-3),
+}
 # Smoke-test size: a few batches, enough to exercise every code path in seconds.
 QUICK_RECIPES = {
     "transformer": Recipe(epochs=4, lr=5e-3, train_samples=512),
     "snn": Recipe(epochs=2, lr=3e-3, train_samples=512),
+    "mixer": Recipe(epochs=4, lr=5e-3, train_samples=512),
+    "snn-pow2": Recipe(epochs=2, lr=3e-3, train_samples=512),
 }
 
 
 @dataclass(frozen=True)
 class Job:
-    """One model to train: `family` "transformer" (kind = norm) or "snn" (kind = neuron)."""
+    """One model to train: `kind` in `family` (a key of FAMILIES)."""
 
     family: str
     kind: str
@@ -121,6 +170,7 @@ class Row:
 class FoldCheck:
     """Folded vs unfolded test predictions of one SNN kind."""
 
+    family: str
     kind: str
     samples: int
     mismatches: int
@@ -187,7 +237,7 @@ class AccuracyTable:
         lines.append(f"Goal (every integer norm within {GOAL_POINTS} point of float LN): {verdict}.")
         for f in self.folds:
             state = "identical" if f.identical else f"**{f.mismatches} differ**"
-            lines.append(f"SNN {f.kind}: folded vs unfolded test predictions {state} "
+            lines.append(f"{f.family} {f.kind}: folded vs unfolded test predictions {state} "
                          f"({f.samples} samples).")
         s = self.settings
         recipes = "; ".join(
@@ -201,35 +251,55 @@ class AccuracyTable:
         return "\n".join(lines) + "\n"
 
 
-def resolve_kinds(kinds: Sequence[str]) -> list[tuple[str, str]]:
-    """(family, kind) for each requested kind, in order, duplicates dropped.
+def resolve_kinds(
+    kinds: Sequence[str] | None = None, families: Sequence[str] = DEFAULT_FAMILIES
+) -> list[tuple[str, str]]:
+    """(family, kind) for each requested kind in each of `families` that trains it, in
+    order, duplicates dropped; `kinds` None: every family's default kinds.
 
-    A norm kind trains the transformer, a neuron kind the SNN; anything else is a
-    ValueError listing what is known.
+    By default a norm kind trains the transformer and a neuron kind the SNN. An unknown
+    family, or a kind that none of `families` trains, is a ValueError listing what is known.
     """
+    if not families:
+        raise ValueError("no model families to train")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown model family {unknown[0]!r}; known: {', '.join(FAMILIES)}")
+    families = list(dict.fromkeys(families))
+    if kinds is None:
+        kinds = [k for f in families for k in FAMILIES[f].defaults]
     # qnorm.nn registers its norm/neuron kinds on request; the listings need them now.
     register_training_kinds()
-    norms, neurons = set(norm_kinds()), set(neuron_kinds())
     if not kinds:
         raise ValueError("no kinds to train")
+    trains = {f: set(FAMILIES[f].kinds()) for f in families}
+    both = set(norm_kinds()) & set(neuron_kinds())
     resolved: list[tuple[str, str]] = []
     for kind in dict.fromkeys(kinds):
-        if kind in norms and kind in neurons:
+        if kind in both:
             raise ValueError(f"kind {kind!r} is registered both as a norm and as a neuron")
-        if kind in norms:
-            resolved.append(("transformer", kind))
-        elif kind in neurons:
-            resolved.append(("snn", kind))
-        else:
-            raise ValueError(
-                f"unknown kind {kind!r}; norm kinds (transformer): {', '.join(sorted(norms))}; "
-                f"neuron kinds (snn): {', '.join(sorted(neurons))}"
-            )
+        matched = [(f, kind) for f in families if kind in trains[f]]
+        if not matched:
+            known = kind in norm_kinds() or kind in neuron_kinds()
+            listing = "; ".join(f"{FAMILIES[f].describe()} ({f}): {', '.join(sorted(trains[f]))}"
+                                for f in families)
+            what = f"kind {kind!r} is trained by none of {', '.join(families)}" if known \
+                else f"unknown kind {kind!r}"
+            raise ValueError(f"{what}; {listing}")
+        resolved.extend(matched)
     return resolved
 
 
-def _data(job: Job) -> DigitsData:
-    layout = "tokens" if job.family == "transformer" else "image"
+def family_of(model: str, config: dict[str, Any]) -> tuple[str, str]:
+    """The (family, kind) whose job builds ``build_model(model, **config)``."""
+    for name, family in FAMILIES.items():
+        kind = config.get(family.slot)
+        if family.model == model and kind is not None and family.config(kind) == config:
+            return name, kind
+    raise ValueError(f"no model family trains {model} with config {config}")
+
+
+def _data(job: Job, layout: str) -> DigitsData:
     data = load_digits_data(layout, seed=job.seed)
     n = job.recipe.train_samples
     if n is None:
@@ -275,10 +345,10 @@ def run_job(job: Job) -> dict[str, Any]:
 
     Returns a picklable summary, so it can run in a worker process.
     """
-    config = {"norm" if job.family == "transformer" else "neuron": job.kind}
+    family = FAMILIES[job.family]
     seed_everything(job.seed)
-    model = build_model(job.family, **config)
-    data = _data(job)
+    model = build_model(family.model, **family.config(job.kind))
+    data = _data(job, model.input_layout)
     r = job.recipe
     result = train(model, data, r.epochs, r.lr, job.seed, batch_size=r.batch_size,
                    weight_decay=r.weight_decay, progress=job.progress,
@@ -302,7 +372,8 @@ def run_job(job: Job) -> dict[str, Any]:
     return summary
 
 
-def _run_jobs(jobs: list[Job], workers: int, progress: bool) -> list[dict[str, Any]]:
+def run_jobs(jobs: list[Job], workers: int, progress: bool) -> list[dict[str, Any]]:
+    """`run_job` for each job, in `workers` processes (inline for 1); summaries in order."""
     if workers == 1:
         return [run_job(j) for j in jobs]
     # spawn, not fork: forking a process that has started torch's thread pools can hang.
@@ -339,7 +410,8 @@ def _rows(results: list[dict[str, Any]], out_dir: Path) -> list[Row]:
     rows = []
     for s in results:
         family, kind = s["family"], s["kind"]
-        ref = REFERENCES[family] if kind != REFERENCES[family] else None
+        reference = FAMILIES[family].reference
+        ref = reference if kind != reference else None
         checkpoint = str(_checkpoint_dir(out_dir, family, kind).relative_to(out_dir))
         trained = Row(family, kind, "", s["integer"], s["test_accuracy"], s["train_seconds"],
                       checkpoint, ref)
@@ -366,12 +438,14 @@ def run_training(
     *,
     epochs: int | None = None,
     seed: int = 0,
-    kinds: Sequence[str] = DEFAULT_KINDS,
+    kinds: Sequence[str] | None = None,
+    families: Sequence[str] = DEFAULT_FAMILIES,
     quick: bool = False,
     progress: bool = True,
     jobs: int = 1,
 ) -> AccuracyTable:
-    """Train every kind in `kinds`, write checkpoints and the accuracy tables into `out_dir`.
+    """Train every kind in `kinds` (None: the families' defaults) in each of `families` that
+    trains it (`resolve_kinds`), write checkpoints and the accuracy tables into `out_dir`.
 
     `epochs` overrides the recipe's epoch count for every model; `quick` selects the
     smoke-test recipes. Raises ValueError for an unknown kind or bad setting (before
@@ -382,7 +456,7 @@ def run_training(
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    resolved = resolve_kinds(kinds)
+    resolved = resolve_kinds(kinds, families)
     out_dir = Path(out_dir)
     recipes = QUICK_RECIPES if quick else FULL_RECIPES
     if epochs is not None:
@@ -391,15 +465,17 @@ def run_training(
     todo = [Job(family, kind, recipes[family], seed, _checkpoint_dir(out_dir, family, kind),
                 progress and workers == 1) for family, kind in resolved]
     start = time.perf_counter()
-    results = _run_jobs(todo, workers, progress)
+    results = run_jobs(todo, workers, progress)
     wall = time.perf_counter() - start
     test_samples = len(results[0]["test_predictions"])
     settings = {
-        "seed": seed, "quick": quick, "jobs": workers, "kinds": [k for _, k in resolved],
+        "seed": seed, "quick": quick, "jobs": workers,
+        "families": list(dict.fromkeys(f for f, _ in resolved)),
+        "kinds": list(dict.fromkeys(k for _, k in resolved)),
         "recipes": {family: asdict(recipes[family]) for family in dict.fromkeys(f for f, _ in resolved)},
         "test_samples": test_samples, "torch": torch.__version__,
     }
-    folds = [FoldCheck(s["kind"], test_samples, s["fold_mismatches"])
+    folds = [FoldCheck(s["family"], s["kind"], test_samples, s["fold_mismatches"])
              for s in results if "fold_mismatches" in s]
     table = AccuracyTable(_rows(results, out_dir), folds, settings, wall)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -411,7 +487,8 @@ def run_training(
     if broken:
         raise FoldMismatchError(
             "folded SNN predictions differ from the unfolded model: "
-            + "; ".join(f"{f.kind}: {f.mismatches}/{f.samples} test samples" for f in broken)
+            + "; ".join(f"{f.kind}: {f.mismatches}/{f.samples} test samples ({f.family})"
+                        for f in broken)
             + f" (recorded in {md})"
         )
     return table

@@ -20,7 +20,9 @@ compiled float graph reproduces the QAT model bit for bit (see `qnorm.deploy`).
 Extension: `register_norm(kind, ctor)` / `register_neuron(kind, ctor)`. A norm ctor
 takes the feature size and returns a module mapping (..., dim) -> (..., dim); a neuron
 ctor takes the channel count and returns a multi-step module mapping spike-input
-currents of shape (T, B, C, *spatial) to spikes of the same shape. When a kind is
+currents of shape (T, B, C, *spatial) to spikes of the same shape. A kind registered
+with `deployable=True` also takes `pow2=True` (calibrate a power-of-two input scale);
+only those kinds fit the deployable models. When a kind is
 not registered yet, `qnorm.nn` is imported once, so layers that register themselves
 there are found without an explicit import (this is what lets a checkpoint of an
 "int_ln" model be rebuilt by name).
@@ -47,36 +49,44 @@ from brevitas.quant import (
 )
 from torch import nn
 
-from qnorm.nn._qat import InputQuantizer, IntModule
-
 ModuleCtor = Callable[[int], nn.Module]
 
 
 class _Registry:
     def __init__(self, what: str) -> None:
         self._what = what
-        self._ctors: dict[str, ModuleCtor] = {}
+        # kind -> (ctor, deployable): a deployable ctor also takes `pow2=True`.
+        self._entries: dict[str, tuple[ModuleCtor, bool]] = {}
 
-    def register(self, kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
-        # Re-registering the very same ctor is allowed so that re-importing a plugin
-        # module is harmless; silently swapping a different ctor in is not.
-        known = self._ctors.get(kind)
-        if known is not None and known is not ctor and not replace:
-            raise ValueError(f"{self._what} kind {kind!r} is already registered to {known!r}")
-        self._ctors[kind] = ctor
+    def register(self, kind: str, ctor: ModuleCtor, *, deployable: bool, replace: bool) -> None:
+        # Re-registering the very same entry is allowed so that re-importing a plugin
+        # module is harmless; silently swapping a different one in is not.
+        known = self._entries.get(kind)
+        if known is not None and known != (ctor, deployable) and not replace:
+            raise ValueError(f"{self._what} kind {kind!r} is already registered to {known[0]!r}")
+        self._entries[kind] = (ctor, deployable)
 
-    def create(self, kind: str, size: int) -> nn.Module:
-        if kind not in self._ctors:
+    def create(self, kind: str, size: int, pow2: bool) -> nn.Module:
+        if kind not in self._entries:
             _import_plugins()
-        ctor = self._ctors.get(kind)
-        if ctor is None:
+        entry = self._entries.get(kind)
+        if entry is None:
             raise ValueError(
                 f"unknown {self._what} kind {kind!r}; registered: {', '.join(self.kinds())}"
             )
-        return ctor(size)
+        ctor, deployable = entry
+        if not pow2:
+            return ctor(size)
+        if not deployable:
+            raise ValueError(
+                f"{self._what} kind {kind!r} cannot calibrate a power-of-two input scale, so a "
+                f"deployable model cannot use it; deployable {self._what} kinds: "
+                f"{', '.join(self.kinds(deployable=True))}"
+            )
+        return ctor(size, pow2=True)
 
-    def kinds(self) -> list[str]:
-        return sorted(self._ctors)
+    def kinds(self, deployable: bool = False) -> list[str]:
+        return sorted(k for k, (_, d) in self._entries.items() if d or not deployable)
 
 
 def _import_plugins() -> None:
@@ -89,32 +99,39 @@ _NORMS = _Registry("norm")
 _NEURONS = _Registry("neuron")
 
 
-def register_norm(kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
-    """Make `norm_factory(kind, dim)` return `ctor(dim)`."""
-    _NORMS.register(kind, ctor, replace=replace)
+def register_norm(kind: str, ctor: ModuleCtor, *, deployable: bool = False, replace: bool = False) -> None:
+    """Make `norm_factory(kind, dim)` return `ctor(dim)`.
+
+    `deployable`: `ctor(dim, pow2=True)` builds a layer that calibrates a power-of-two
+    input scale, which the deployable models (the mixer) need.
+    """
+    _NORMS.register(kind, ctor, deployable=deployable, replace=replace)
 
 
-def norm_factory(kind: str, dim: int) -> nn.Module:
-    """Create a norm layer over the last dimension of size `dim`."""
-    return _NORMS.create(kind, dim)
+def norm_factory(kind: str, dim: int, *, pow2: bool = False) -> nn.Module:
+    """Create a norm layer over the last dimension of size `dim` (`pow2`: deployable)."""
+    return _NORMS.create(kind, dim, pow2)
 
 
-def norm_kinds() -> list[str]:
-    return _NORMS.kinds()
+def norm_kinds(deployable: bool = False) -> list[str]:
+    """Registered norm kinds; `deployable`: only those `norm_factory(..., pow2=True)` builds."""
+    return _NORMS.kinds(deployable)
 
 
-def register_neuron(kind: str, ctor: ModuleCtor, *, replace: bool = False) -> None:
-    """Make `neuron_factory(kind, channels)` return `ctor(channels)`."""
-    _NEURONS.register(kind, ctor, replace=replace)
+def register_neuron(kind: str, ctor: ModuleCtor, *, deployable: bool = False, replace: bool = False) -> None:
+    """Make `neuron_factory(kind, channels)` return `ctor(channels)`; `deployable` as in
+    `register_norm`."""
+    _NEURONS.register(kind, ctor, deployable=deployable, replace=replace)
 
 
-def neuron_factory(kind: str, channels: int) -> nn.Module:
+def neuron_factory(kind: str, channels: int, *, pow2: bool = False) -> nn.Module:
     """Create a multi-step spiking neuron layer with `channels` channels (dim 2)."""
-    return _NEURONS.create(kind, channels)
+    return _NEURONS.create(kind, channels, pow2)
 
 
-def neuron_kinds() -> list[str]:
-    return _NEURONS.kinds()
+def neuron_kinds(deployable: bool = False) -> list[str]:
+    """Registered neuron kinds; `deployable`: only those `neuron_factory(..., pow2=True)` builds."""
+    return _NEURONS.kinds(deployable)
 
 
 register_norm("float", nn.LayerNorm)
@@ -241,18 +258,6 @@ def _pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.Q
     )  # fmt: skip
 
 
-def _pow2_calibrated(layer: nn.Module) -> nn.Module:
-    """`layer` with its calibrating input quantizer (if any) rounding the scale up to 2^k.
-
-    Float layers (kinds "float", "float_mpbn_lif") are returned unchanged: they
-    train, but `qnorm compile` refuses them.
-    """
-    if isinstance(layer, IntModule) and layer.input_quant.fixed is None:
-        q = layer.input_quant
-        layer.input_quant = InputQuantizer(bits=q.bits, signed=q.signed, momentum=q.momentum, pow2=True)
-    return layer
-
-
 @dataclass(frozen=True)
 class TransformerConfig:
     norm: str = "float"
@@ -355,10 +360,10 @@ class _MixerBlock(nn.Module):
 
     def __init__(self, cfg: MixerConfig) -> None:
         super().__init__()
-        self.norm1 = _pow2_calibrated(norm_factory(cfg.norm, cfg.dim))
+        self.norm1 = norm_factory(cfg.norm, cfg.dim, pow2=True)
         self.token_fc1 = _pow2_linear(cfg.tokens, cfg.token_hidden, cfg.act_range)
         self.token_fc2 = _pow2_linear(cfg.token_hidden, cfg.tokens, cfg.act_range)
-        self.norm2 = _pow2_calibrated(norm_factory(cfg.norm, cfg.dim))
+        self.norm2 = norm_factory(cfg.norm, cfg.dim, pow2=True)
         self.fc1 = _pow2_linear(cfg.dim, cfg.channel_hidden, cfg.act_range)
         self.fc2 = _pow2_linear(cfg.channel_hidden, cfg.dim, cfg.act_range)
 
@@ -386,7 +391,7 @@ class DigitsMixer(nn.Module):
         self.config = config
         self.embed = _pow2_linear(config.token_features, config.dim, config.act_range)
         self.blocks = nn.ModuleList(_MixerBlock(config) for _ in range(config.depth))
-        self.norm = _pow2_calibrated(norm_factory(config.norm, config.dim))
+        self.norm = norm_factory(config.norm, config.dim, pow2=True)
         self.head = _pow2_linear(config.dim, config.classes, config.act_range)
 
     def example_input(self, batch: int = 2) -> torch.Tensor:
@@ -447,8 +452,7 @@ class DigitsSNN(nn.Module):
                     weight_quant=weight_quant, return_quant_tensor=False,
                 )
             )
-            neuron = neuron_factory(config.neuron, channels)
-            self.neurons.append(_pow2_calibrated(neuron) if pow2 else neuron)
+            self.neurons.append(neuron_factory(config.neuron, channels, pow2=pow2))
             in_channels = channels
         self.pool = nn.AvgPool2d(2)
         features = in_channels * (config.image_side // 2) ** 2
