@@ -44,9 +44,8 @@ C_DIR = Path(__file__).resolve().parent / "c"  # the hand-written C of every pro
 
 
 def _const_names(kernel: Kernel) -> list[str]:
-    """C names of the kernel's constant arguments: their buffer names where TVM
-    kept them (TE kernels), else ``const<i>`` (TVM 0.27 drops the argument names
-    of a TVMScript-built kernel, the neurons')."""
+    """C names of the kernel's constant arguments: their buffer names when those are
+    C identifiers distinct from the ports ``x`` and ``y``, else ``const<i>``."""
     func = kernel.mod["main"] if isinstance(kernel.mod, tvm.IRModule) else kernel.mod
     if len(func.params) != len(kernel.consts) + 2:
         raise HLSError(f"kernel takes {len(func.params)} arguments, expected x, {len(kernel.consts)} constants, out")

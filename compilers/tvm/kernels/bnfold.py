@@ -187,11 +187,14 @@ def lif_kernel(op: _LIFNeuron, schedule: Schedule = CPU) -> Kernel:
         T.func_name("main")
         steps, rows = IRBuilder.name("steps", T.int64()), IRBuilder.name("rows", T.int64())
         handles = [T.arg(name, T.handle()) for name in ("x", *(c.name for c in consts), "spikes")]
-        x = T.match_buffer(handles[0], (steps, rows, c_count), in_dtype)
+        # Named buffers name main's parameters (TVM 0.27 leaves T.arg's names out):
+        # GPU launch plans and the HLS top function refer to arguments by them.
+        x = IRBuilder.name("x", T.match_buffer(handles[0], (steps, rows, c_count), in_dtype))
         bufs = {
-            c.name: T.match_buffer(h, (c_count,), c.dtype) for c, h in zip(consts, handles[1:-1])
+            c.name: IRBuilder.name(c.name, T.match_buffer(h, (c_count,), c.dtype))
+            for c, h in zip(consts, handles[1:-1])
         }
-        spikes = T.match_buffer(handles[-1], (steps, rows, c_count), SPIKE_DTYPE)
+        spikes = IRBuilder.name("spikes", T.match_buffer(handles[-1], (steps, rows, c_count), SPIKE_DTYPE))
 
         with schedule.rows(rows) as r:
             scope = schedule.scratch_scope
