@@ -173,8 +173,8 @@ class RangeReport:
 #   for int64).
 # * ``multiplier_bits`` — the narrow operand width of one hardware multiply (the
 #   18-bit port of a 27x18 DSP48E2; 64 on CPUs).  **Products** are the
-#   multiplications of an op's body, listed per family in :func:`products` with
-#   both operands' intervals.  A product is exact on the target when its
+#   multiplications of an op's body, which its class lists (``multiplications``)
+#   and :func:`products` bounds, both operands' intervals.  A product is exact on the target when its
 #   narrower operand fits ``multiplier_bits`` and its result fits the
 #   accumulator: the wider operand then goes through the multiplier in slices
 #   whose partial products the accumulator sums (the DSP48E2 cascade with its
@@ -229,66 +229,55 @@ def _interval_of(values: Any) -> Interval:
     return Interval.hull(*(int(v) for v in np.asarray(values).ravel()))
 
 
-def _norm_products(op: Any, rep: RangeReport) -> list[Product]:
-    x = Interval(op.in_fmt.lo, op.in_fmt.hi)
-    n = Interval.point(op.config.n)
-    inv = op.inverse_name
-    made = {
-        "centered": lambda: _product(rep, "N·x (in centered)", n, x),
-        "sum_sq": lambda: _square("x·x (in sum_sq)", x),
-        "n_sum_sq": lambda: _product(rep, "N·sum_sq", n, rep["sum_sq"], "n_sum_sq"),
-        "sum_squared": lambda: _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared"),
-        "prod": lambda: _product(rep, f"num_scaled·{inv}", rep["num_scaled"], rep[inv], "prod"),
-        "scaled": lambda: _product(rep, "z·gain", rep["z"], _interval_of(op.config.gain), "scaled"),
-    }
-    return [made[name]() for name in _NORM_PRODUCTS[op.name]]
+def _in_interval(op: Any) -> Interval:
+    return Interval(op.in_fmt.lo, op.in_fmt.hi)
 
 
-def _bn_products(op: Any, rep: RangeReport) -> list[Product]:
-    x = Interval(op.in_fmt.lo, op.in_fmt.hi)
-    return [_product(rep, "x·slope", x, _interval_of(op._slope), "bn_product")]
+def _membrane_leak(op: Any, rep: RangeReport) -> Product | None:
+    if op.cfg.leak is None:
+        return None
+    state = rep["membrane_reset"].union(Interval.point(op.cfg.u_rest))
+    return _product(rep, "membrane·leak", state, Interval.point(op.cfg.leak.m), "leak_product")
 
 
-def _lif_products(op: Any, rep: RangeReport) -> list[Product]:
-    out = []
-    if op.cfg.leak is not None:
-        state = rep["membrane_reset"].union(Interval.point(op.cfg.u_rest))
-        leak = Interval.point(op.cfg.leak.m)
-        out.append(_product(rep, "membrane·leak", state, leak, "leak_product"))
-    if op.name == "mpbn_lif":
-        slope = _interval_of(op._slope)
-        out.append(_product(rep, "membrane·slope", rep["membrane"], slope, "bn_product"))
-    return out
-
-
-# The multiplications each norm family's body makes (ShiftLayerNorm normalizes
-# and scales by shifts; RMSNorm does not centre).
-_NORM_PRODUCTS: dict[str, tuple[str, ...]] = {
-    "int_layernorm": ("centered", "sum_sq", "n_sum_sq", "sum_squared", "prod", "scaled"),
-    "l1_layernorm": ("centered", "prod", "scaled"),
-    "shift_layernorm": ("centered", "sum_sq", "n_sum_sq", "sum_squared"),
-    "int_rmsnorm": ("sum_sq", "prod", "scaled"),
-}
-_PRODUCTS: dict[str, Callable[[Any, RangeReport], list[Product]]] = {
-    **{name: _norm_products for name in _NORM_PRODUCTS},
-    "bn_quant": _bn_products,
-    "multithreshold": lambda op, rep: [],  # threshold compares only
-    "mpbn_lif": _lif_products,
-    "folded_lif": _lif_products,
+# How each multiplication an op body can make is formed, by the name an op class
+# lists in its ``multiplications`` (the op declares which it makes, next to its
+# body; the analysis bounds them from the range report).  None: not made by this
+# instance (a LIF neuron without leak).
+_FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
+    "centered": lambda op, rep: _product(rep, "N·x (in centered)", Interval.point(op.config.n), _in_interval(op)),
+    "sum_sq": lambda op, rep: _square("x·x (in sum_sq)", _in_interval(op)),
+    "n_sum_sq": lambda op, rep: _product(rep, "N·sum_sq", Interval.point(op.config.n), rep["sum_sq"], "n_sum_sq"),
+    "sum_squared": lambda op, rep: _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared"),
+    "prod": lambda op, rep: _product(
+        rep, f"num_scaled·{op.inverse_name}", rep["num_scaled"], rep[op.inverse_name], "prod"
+    ),
+    "scaled": lambda op, rep: _product(rep, "z·gain", rep["z"], _interval_of(op.config.gain), "scaled"),
+    "x_slope": lambda op, rep: _product(rep, "x·slope", _in_interval(op), _interval_of(op._slope), "bn_product"),
+    "membrane_leak": _membrane_leak,
+    "membrane_slope": lambda op, rep: _product(
+        rep, "membrane·slope", rep["membrane"], _interval_of(op._slope), "bn_product"
+    ),
 }
 
 
 def products(op: Any, rep: RangeReport | None = None) -> list[Product]:
-    """Every multiplication of ``op``'s integer body (``rep``: its range report, if at hand).
+    """Every multiplication of ``op``'s integer body (``rep``: its range report, if at hand),
+    as the op's class lists them in ``multiplications``.
 
-    An op family without an entry is refused rather than assumed product-free.
+    An op class that lists none is refused rather than assumed product-free.
     """
-    found = _PRODUCTS.get(op.name)
-    if found is None:
+    names = getattr(type(op), "multiplications", None)
+    if names is None:
         raise ValueError(
-            f"no product table for op {op.name!r}: list its multiplications in qnorm.analysis._PRODUCTS"
+            f"op {op.name!r} does not list its multiplications ({type(op).__name__}.multiplications)"
         )
-    return found(op, op.ranges() if rep is None else rep)
+    unknown = [n for n in names if n not in _FORMULAS]
+    if unknown:
+        raise ValueError(f"op {op.name!r} lists multiplications the analysis cannot bound: {unknown}")
+    rep = op.ranges() if rep is None else rep
+    made = (_FORMULAS[name](op, rep) for name in names)
+    return [p for p in made if p is not None]
 
 
 def check_target(op: Any, target: Any) -> RangeReport:

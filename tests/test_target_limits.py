@@ -24,6 +24,7 @@ from qnorm.analysis import (
     check_target,
     products,
 )
+from qnorm.ops import IntRMSNorm
 from qnorm.qformat import QFormat
 from qnorm.targets import load_target, load_target_file
 from qnorm.verify import backends, harness
@@ -124,6 +125,7 @@ def test_an_unnamed_product_is_held_to_the_accumulator(tmp_path) -> None:
 
     class TinyReportRMS:
         name = "int_rmsnorm"
+        multiplications = IntRMSNorm.multiplications
         inverse_name = "rsqrt"
         in_fmt = QFormat(16, 1.0)
         config = SimpleNamespace(n=4, gain=(1, 1, 1, 1))
@@ -181,8 +183,14 @@ def test_an_op_without_a_product_table_is_refused() -> None:
         def ranges(self):
             raise AssertionError("not reached")
 
-    with pytest.raises(ValueError, match="no product table for op 'mystery'"):
+    with pytest.raises(ValueError, match=r"op 'mystery' does not list its multiplications"):
         products(Mystery())
+
+    class Unknown(Mystery):
+        multiplications = ("x_times_the_moon",)
+
+    with pytest.raises(ValueError, match=r"cannot bound: \['x_times_the_moon'\]"):
+        products(Unknown())
 
 
 # --------------------------------------------------------------------------- in qnorm verify

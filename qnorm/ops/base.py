@@ -35,6 +35,10 @@ class IntOp(abc.ABC):
     """
 
     name: ClassVar[str]
+    # The multiplications the body makes, by the names of qnorm.analysis._FORMULAS
+    # (target limits bound each one); deliberately no default: an op that does not
+    # list them is refused by the target check, never assumed product-free.
+    multiplications: ClassVar[tuple[str, ...]]
     in_fmt: QFormat
     out_fmt: QFormat
 

@@ -96,6 +96,7 @@ class L1LayerNorm(NormOp):
     """L1 LayerNorm over the last axis (see the module docstring)."""
 
     name = "l1_layernorm"
+    multiplications = ("centered", "prod", "scaled")
     config_cls = L1NormConfig
     inverse_name = "recip"
     op_defaults = {"inv_bits": 16}

@@ -142,6 +142,7 @@ class IntLayerNorm(NormOp):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
+    multiplications = ("centered", "sum_sq", "n_sum_sq", "sum_squared", "prod", "scaled")
     config_cls = LayerNormConfig
     inverse_name = "rsqrt"
     op_defaults = {"inv_bits": 15}

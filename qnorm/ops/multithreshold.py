@@ -126,6 +126,7 @@ class BNQuant(_BNActBase):
     """Unfolded BN + quantizer: the exact rational definition, evaluated in integers."""
 
     name = "bn_quant"
+    multiplications = ("x_slope",)
 
     def __init__(self, cfg: BNActConfig, bn: RationalBN, reference: FloatBN | None = None) -> None:
         super().__init__(cfg, bn, reference)
@@ -171,6 +172,7 @@ class MultiThreshold(_BNActBase):
     """
 
     name = "multithreshold"
+    multiplications = ()  # threshold compares only
 
     def __init__(self, cfg: BNActConfig, bn: RationalBN, reference: FloatBN | None = None) -> None:
         super().__init__(cfg, bn, reference)

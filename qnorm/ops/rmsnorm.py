@@ -75,6 +75,7 @@ class IntRMSNorm(NormOp):
     """Integer (partial) RMSNorm over the last axis (see the module docstring)."""
 
     name = "int_rmsnorm"
+    multiplications = ("sum_sq", "prod", "scaled")
     config_cls = RMSNormConfig
     inverse_name = "rsqrt"
     op_defaults = {"partial": 1.0, "inv_bits": 15}

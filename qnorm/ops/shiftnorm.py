@@ -181,6 +181,8 @@ class ShiftLayerNorm(NormOp):
     """LayerNorm with power-of-two 1/σ and γ (see the module docstring)."""
 
     name = "shift_layernorm"
+    # normalizes and scales by shifts: only the statistic multiplies
+    multiplications = ("centered", "sum_sq", "n_sum_sq", "sum_squared")
     config_cls = ShiftNormConfig
     inverse_name = "rsqrt_pow2"
     op_defaults = {"mantissa_terms": 2}

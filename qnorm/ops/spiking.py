@@ -418,6 +418,7 @@ class MPBNNeuron(_LIFNeuron):
     """Unfolded: the exact integer BN comparison ``P u + Q >= V D 2^S`` every step."""
 
     name = "mpbn_lif"
+    multiplications = ("membrane_leak", "membrane_slope")
 
     def __init__(self, cfg: LIFConfig, params: MPBNParams, reference: FloatLIF | None = None) -> None:
         super().__init__(cfg, params, reference)  # checks the ranges before any int64 cast
@@ -462,6 +463,7 @@ class FoldedLIFNeuron(_LIFNeuron):
     """
 
     name = "folded_lif"
+    multiplications = ("membrane_leak",)  # the BN is folded into the threshold
 
     def _add_ranges(self, report: RangeReport) -> None:
         report.add("threshold", Interval(int(self.event.theta.min()), int(self.event.theta.max())))
