@@ -24,7 +24,7 @@ from typing import Any
 
 from qnorm.ops.base import IntOp
 from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
+from qnorm.verify.backends import Backend, NotRun, Runner, Unsupported, refuse_beyond_limits, register
 
 
 @functools.cache
@@ -78,9 +78,6 @@ def _cuda_prepare(op: IntOp) -> Runner:
     built = f"nvcc {'/'.join(cuda.archs(target))} PTX+cubin"
     arch = cuda.gpu_compute_capability()
     if arch is None:
-        # imported here: the harness imports the backend registry, which imports this module
-        from qnorm.verify.harness import NotRun
-
         raise NotRun(f"{built}; not run: no CUDA GPU on this machine")
     runner = cuda.gpu_runner(compiled)
     return Runner(

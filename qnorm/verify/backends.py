@@ -4,8 +4,9 @@ A :class:`Backend` says whether it can run on this machine (``unavailable()``:
 None, or the reason it cannot) and, per op, returns a :class:`Runner` mapping
 op-layout integer inputs to integer outputs, or raises :class:`Unsupported`
 (this op has no implementation on the backend yet: a SKIP with the reason,
-never a silent pass) or :class:`Refused` (the target's declared widths cannot run
-the op exactly: ``refused`` with the reason).  Anything else a backend raises is a failure.
+never a silent pass), :class:`Refused` (the target's declared widths cannot run
+the op exactly: ``refused`` with the reason) or :class:`NotRun` (built for
+hardware this machine does not have: ``compiled``).  Anything else a backend raises is a failure.
 
 Built in:
 
@@ -56,6 +57,10 @@ LAYER_DTYPE = torch.float32  # the QAT layers' parameter dtype, so the dtype the
 
 class Unsupported(Exception):
     """The backend has no implementation for this op (reported as SKIP with the reason)."""
+
+
+class NotRun(Exception):
+    """The backend built the op's kernel but cannot run it here (its cell: ``compiled``, with the reason)."""
 
 
 class Refused(Exception):

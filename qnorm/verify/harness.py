@@ -46,10 +46,6 @@ LEGEND = (
 )
 
 
-class NotRun(Exception):
-    """A backend built the op's kernel but cannot run it here (its cell: ``compiled``, with the reason)."""
-
-
 # --------------------------------------------------------------------------- columns
 
 
@@ -335,7 +331,7 @@ def _prepare(
                 cells[name] = Cell(OK, via=runners[name].via)
             except backends.Unsupported as err:
                 cells[name] = Cell(SKIP, reason=str(err))
-            except NotRun as err:
+            except backends.NotRun as err:
                 cells[name] = Cell(COMPILED, reason=str(err))
             except backends.Refused as err:
                 cells[name] = Cell(REFUSED, reason=str(err))
