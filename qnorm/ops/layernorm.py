@@ -71,17 +71,6 @@ class RsqrtConfig(NormConfig):
         return self.mant_bits // 2 + self.inv_bits
 
 
-def rsqrt_inverse(m: Any, cfg: RsqrtConfig, trace: Trace | None) -> Any:
-    # split_exponent normalizes every mantissa (W = 0 included) to >= 2^(mant_bits-1).
-    min_mant = 1 << (cfg.mant_bits - 1)
-    return record(trace, "rsqrt", rsqrt(m, cfg.inv_frac_bits, rsqrt_mode(cfg.rounding), min_input=min_mant))
-
-
-def rsqrt_inverse_range(m_iv: Interval, cfg: RsqrtConfig) -> Interval:
-    mode = rsqrt_mode(cfg.rounding)
-    return Interval(_rsqrt_of(m_iv.hi, cfg.inv_frac_bits, mode), _rsqrt_of(m_iv.lo, cfg.inv_frac_bits, mode))
-
-
 @functools.lru_cache(maxsize=1024)
 def _rsqrt_of(m: int, frac_bits: int, mode: Round) -> int:
     """``fixedpoint.rsqrt`` of one Python int, memoized: the mantissa's ends are
@@ -138,13 +127,30 @@ def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:
     return F.layer_norm(t, (op.config.n,), torch.from_numpy(p.gamma), torch.from_numpy(p.beta), p.eps).numpy()
 
 
-class IntLayerNorm(NormOp):
+class RsqrtNorm(NormOp):
+    """A norm whose per-row inverse is an exactly rounded rsqrt of W's mantissa
+    (IntLayerNorm, IntRMSNorm; their configs are :class:`RsqrtConfig`)."""
+
+    inverse_name = "rsqrt"
+
+    def _inverse(self, m: Any, trace: Trace | None) -> Any:
+        cfg = self.config
+        # split_exponent normalizes every mantissa (W = 0 included) to >= 2^(mant_bits-1).
+        min_mant = 1 << (cfg.mant_bits - 1)
+        return record(trace, "rsqrt", rsqrt(m, cfg.inv_frac_bits, rsqrt_mode(cfg.rounding), min_input=min_mant))
+
+    @classmethod
+    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
+        mode = rsqrt_mode(cfg.rounding)
+        return Interval(_rsqrt_of(m_iv.hi, cfg.inv_frac_bits, mode), _rsqrt_of(m_iv.lo, cfg.inv_frac_bits, mode))
+
+
+class IntLayerNorm(RsqrtNorm):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
     multiplications = ("centered", "sum_sq", "n_sum_sq", "sum_squared", "prod", "scaled")
     config_cls = LayerNormConfig
-    inverse_name = "rsqrt"
     op_defaults = {"inv_bits": 15}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
@@ -154,13 +160,6 @@ class IntLayerNorm(NormOp):
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
         return variance_ranges(cfg, rep)
-
-    def _inverse(self, m: Any, trace: Trace | None) -> Any:
-        return rsqrt_inverse(m, self.config, trace)
-
-    @classmethod
-    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
-        return rsqrt_inverse_range(m_iv, cfg)
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
         return layer_norm_reference(self, x)

@@ -34,12 +34,11 @@ import numpy as np
 from qnorm.analysis import Interval, RangeReport
 from qnorm.ops._normcore import (
     NormConfig,
-    NormOp,
     StatBounds,
 )
 from qnorm.ops._xp import row_sum, take_prefix
 from qnorm.ops.base import Trace, record
-from qnorm.ops.layernorm import RsqrtConfig, rsqrt_inverse, rsqrt_inverse_range
+from qnorm.ops.layernorm import RsqrtConfig, RsqrtNorm
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,12 @@ class RMSNormConfig(RsqrtConfig):
         return Fraction(eps) * self.prefix / Fraction(self.in_fmt.scale) ** 2
 
 
-class IntRMSNorm(NormOp):
+class IntRMSNorm(RsqrtNorm):
     """Integer (partial) RMSNorm over the last axis (see the module docstring)."""
 
     name = "int_rmsnorm"
     multiplications = ("sum_sq", "prod", "scaled")
     config_cls = RMSNormConfig
-    inverse_name = "rsqrt"
     op_defaults = {"partial": 1.0, "inv_bits": 15}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
@@ -104,13 +102,6 @@ class IntRMSNorm(NormOp):
             return ((0, n, z),)
         inside = cls._normalized_ranges(cfg, replace(stat, outside=None), segs, inv, None)
         return ((0, k, inside), (k, n, z))
-
-    def _inverse(self, m: Any, trace: Trace | None) -> Any:
-        return rsqrt_inverse(m, self.config, trace)
-
-    @classmethod
-    def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
-        return rsqrt_inverse_range(m_iv, cfg)
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
         """torch.nn.functional.rms_norm (float64, float γ and ε) + β; for p < 1 the
