@@ -16,16 +16,17 @@ import importlib.util
 from typing import Any
 
 from qnorm.ops.base import IntOp
-from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
+from qnorm.verify.backends import (
+    Backend,
+    Runner,
+    Unsupported,
+    column_target,
+    refuse_beyond_limits,
+    register,
+)
 
 CROSS_TARGETS = ("aarch64", "riscv64")
 _CROSS = "compilers.tvm.cross"
-
-
-@functools.cache
-def _target(name: str) -> Target:
-    return load_target(name)
 
 
 def _cross() -> Any:
@@ -35,12 +36,12 @@ def _cross() -> Any:
 def _unavailable(name: str) -> str | None:
     if importlib.util.find_spec("tvm") is None:
         return "unavailable: apache-tvm is not installed"
-    return _cross().missing_tools(_target(name))
+    return _cross().missing_tools(column_target(name))
 
 
 def _prepare(name: str, op: IntOp) -> Runner:
     kernels = importlib.import_module("compilers.tvm.kernels")
-    target = _target(name)
+    target = column_target(name)
     refuse_beyond_limits(op, target)
     try:
         kernel = kernels.kernel_for(op)

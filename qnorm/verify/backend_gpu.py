@@ -17,19 +17,20 @@ columns without importing tvm.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from typing import Any
 
 from qnorm.ops.base import IntOp
-from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, NotRun, Runner, Unsupported, refuse_beyond_limits, register
-
-
-@functools.cache
-def _target(name: str) -> Target:
-    return load_target(name)
+from qnorm.verify.backends import (
+    Backend,
+    NotRun,
+    Runner,
+    Unsupported,
+    column_target,
+    refuse_beyond_limits,
+    register,
+)
 
 
 def _module(name: str) -> Any:
@@ -58,7 +59,7 @@ def _opencl_unavailable() -> str | None:
 
 def _opencl_prepare(op: IntOp) -> Runner:
     opencl = _module("opencl")
-    refuse_beyond_limits(op, _target("opencl"))
+    refuse_beyond_limits(op, column_target("opencl"))
     compiled = _kernel_or_skip(opencl.opencl_kernel, op)
     return Runner(compiled, f"TVM opencl kernel (GPU schedule) on PoCL: {opencl.device_name()}")
 
@@ -72,7 +73,7 @@ def _cuda_unavailable() -> str | None:
 
 def _cuda_prepare(op: IntOp) -> Runner:
     cuda = _module("cuda")
-    target = _target("cuda")
+    target = column_target("cuda")
     refuse_beyond_limits(op, target)
     compiled = _kernel_or_skip(cuda.cuda_kernel, op)
     built = f"nvcc {'/'.join(cuda.archs(target))} PTX+cubin"

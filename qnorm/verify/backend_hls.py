@@ -16,7 +16,6 @@ Importing this module registers the column without importing tvm.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import tempfile
@@ -25,15 +24,16 @@ from typing import Any
 import numpy as np
 
 from qnorm.ops.base import IntOp
-from qnorm.targets import Target, load_target
-from qnorm.verify.backends import Backend, Runner, Unsupported, refuse_beyond_limits, register
+from qnorm.verify.backends import (
+    Backend,
+    Runner,
+    Unsupported,
+    column_target,
+    refuse_beyond_limits,
+    register,
+)
 
 NAME = "fpga-hls"
-
-
-@functools.cache
-def _target() -> Target:
-    return load_target(NAME)
 
 
 def _module(name: str) -> Any:
@@ -43,12 +43,12 @@ def _module(name: str) -> Any:
 def _unavailable() -> str | None:
     if importlib.util.find_spec("tvm") is None:
         return "unavailable: apache-tvm is not installed"
-    return _module("csim").compiler_unavailable(_target())
+    return _module("csim").compiler_unavailable(column_target(NAME))
 
 
 def _prepare(op: IntOp) -> Runner:
     hls, csim, vectors = _module("hls"), _module("csim"), _module("vectors")
-    target = _target()
+    target = column_target(NAME)
     refuse_beyond_limits(op, target)
     with tempfile.TemporaryDirectory(prefix="qnorm-hls-") as project:
         try:

@@ -316,13 +316,15 @@ def _x86_unavailable() -> str | None:
 
 
 @functools.cache
-def _x86_target() -> Target:
-    return load_target("x86_64")
+def column_target(name: str) -> Target:
+    """The target description of a column, loaded once per process (every backend's
+    prepare and availability check reads it)."""
+    return load_target(name)
 
 
 def _x86_prepare(op: IntOp) -> Runner:
     kernels = importlib.import_module(_KERNELS)
-    target = _x86_target()
+    target = column_target("x86_64")
     refuse_beyond_limits(op, target)
     try:
         kernel = kernels.kernel_for(op)
