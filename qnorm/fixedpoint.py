@@ -239,9 +239,9 @@ def _one_like(s: Any) -> Any:
         import torch
 
         return torch.ones_like(s, dtype=torch.int64)
-    from tvm import tirx
+    from tvm import runtime, tirx
 
-    return tirx.const(1, "int64")
+    return tirx.const(1, str(runtime.convert(s).ty))  # the shift's own width (int32 lanes stay int32)
 
 
 # --------------------------------------------------------------------------- division
@@ -302,6 +302,25 @@ def saturate(v: IntLike, bits: int, signed: bool = True) -> IntLike:
     if _is_concrete(v):
         return min(max(int(v), lo), hi)
     return select(v < lo, lo, select(v > hi, hi, v))
+
+
+def clamp(v: IntLike, lo: IntLike, hi: IntLike) -> IntLike:
+    """``min(max(v, lo), hi)`` element-wise (lo <= hi), with per-element or scalar bounds.
+
+    Unlike :func:`saturate` the bounds are values, not a width: per-channel windows
+    (numpy / torch arrays broadcasting against ``v``, or TIR expressions).
+    """
+    if _is_torch(v):
+        import torch
+
+        lo_t = torch.as_tensor(lo, dtype=v.dtype, device=v.device)
+        hi_t = torch.as_tensor(hi, dtype=v.dtype, device=v.device)
+        return torch.minimum(torch.maximum(v, lo_t), hi_t)
+    if _is_concrete(v):
+        return np.minimum(np.maximum(v, lo), hi)
+    from tvm import tirx
+
+    return tirx.min(tirx.max(v, lo), hi)
 
 
 def bits_for(lo: int, hi: int) -> int:

@@ -28,15 +28,29 @@ stages; only stage 1 and the per-row inverse in stage 2 differ between them.
    fixed-width input and yields a narrow ``r ≈ 2^F_r / M^(1/p)`` whatever N and
    the input width are.  When ``e > 0`` the dropped low bits of W are truncated,
    a relative error below ``2^(1 - mant_bits)``.
-3. **Normalize.**  ``u = num · 2^(H − e)`` with ``H = h + g`` (``num_shift``: the
-   numerator brought to the mantissa's scale; ``h`` is an op's power-of-two
-   pre-scale, g the ε guard of stage 1), ``prod = u · r`` and
-   ``z = round(prod / 2^(F_r − F_z))``: the normalized value in Q.F_z, i.e.
-   ``z ≈ 2^(F_z + H) · num / W^(1/p) = 2^(F_z + h) · num / (S + ε_S)^(1/p)``.
+3. **Normalize, in the datapath's lanes.**  The normalized value in Q.F_z is
+   ``z ≈ 2^(F_z + H) · num / W^(1/p) = 2^(F_z + h) · num / (S + ε_S)^(1/p)`` with
+   ``H = h + g`` (``num_shift``: ``h`` an op's power-of-two pre-scale, g the ε
+   guard of stage 1).  The numerator is ``num = N·x − Σx`` (centered ops) or
+   ``x`` (RMSNorm), so per row the inverse is folded into one multiplier of the
+   raw input and one offset (**mult**, **offset**, one shift **z_shift**)::
+
+       a = round(N·r / 2^j),  c = round(Σx · r / 2^j),  K = F_r + e − F_z − H − j
+       xa = x·a − c,          z = round(xa / 2^K)   (exact left shift when K <= 0)
+
+   The constant ``j`` (``mult_shift``, from the row analysis) is the smallest
+   that keeps ``xa`` inside the datapath's lanes (``lanes``: 32 for int4/int8
+   inputs, so ``a`` has ~22 bits against an 8-bit x).  The per-element chain never
+   carries the log2 N redundant bits of ``N·x − Σx``; a and c round once (error
+   below |x| + 1 units of xa, bounded and measured), and with j = 0 they are exact.
 4. **Affine output.**  ``acc = z · m_c + B_c``, ``y = round(acc / 2^s)``, saturate.
    ``m_c / 2^s`` folds γ_c, the op's constant factor and 1/s_out; ``B_c`` is β_c in
    units of ``2^-s`` output LSB, so β is added at full accumulator precision and
-   the output is rounded once (error ≤ 1/2 LSB from this stage, not 1).
+   the output is rounded once (error ≤ 1/2 LSB from this stage, not 1).  In the
+   lanes this runs as ``zc = clamp(z, lo_c, hi_c) − o_c``, ``acc = zc · m_c + b_c``
+   with ``b_c = B_c + o_c m_c`` (:class:`OutputWindow`): z is clamped to the
+   channel's window outside which the output saturates anyway, and recentred, so
+   every term stays narrow while the output is exactly the unclamped formula's.
 
 The range analysis mirrors the stages: exact intervals where they are tight, and
 for the normalized value a proven relational bound: every op shows
@@ -63,6 +77,8 @@ from qnorm.fixedpoint import (
     DEFAULT_ROUND,
     Round,
     bit_length,
+    clamp,
+    div_round,
     rshift_round,
     saturate,
     select,
@@ -81,6 +97,19 @@ GUARD_BITS = 6
 # ε_int >= 2^16, a relative error of ε <= 2^-17, below the 2^-16 of the rsqrt
 # (inv_bits = 15) and of L1's reciprocal (inv_bits = 16).
 EPS_RESOLUTION_BITS = 16
+# Per-element datapaths (``NormConfig.lanes``): every per-element intermediate of
+# the op must fit one lane less a bit of rounding headroom.  32 is what every
+# target shares (x86/Arm/RISC-V int32 vector lanes, GPU int32, a DSP48's ports);
+# 64 is the wide datapath (int16 inputs), a named choice.
+LANES = (32, 64)
+# The per-element intermediates, in evaluation order: what ``lanes`` bounds.
+ELEMENT_STAGES = ("xa", "z", "zc", "scaled", "acc", "y", "out")
+# The definition's version, recorded with checkpoints and golden vectors: 2 is the
+# narrow-lane form (per-row multiplier and offset, clamped output window).
+DEFINITION_VERSION = 2
+# Gain multiplier widths: 16 bits for outputs of up to 8 bits (a gain LSB moves
+# an int8 output by < 2^-8 LSB), 24 above.
+MULT_BITS, WIDE_MULT_BITS = 16, 24
 
 
 # --------------------------------------------------------------------------- parameters
@@ -181,9 +210,11 @@ class NormConfig(abc.ABC):
     mant_bits: int
     rounding: Round = DEFAULT_ROUND
     eps_shift: int = 0
+    lanes: int = 64
 
     p: ClassVar[int] = 2  # the statistic is W ~ scale^p: 2 takes a square root
     default_mant_bits: ClassVar[int] = 30
+    centered: ClassVar[bool] = True  # num = N·x − Σx (False: num = x)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rounding", Round.parse(self.rounding))
@@ -201,6 +232,8 @@ class NormConfig(abc.ABC):
         check_int("eps", self.eps, 0)
         check_int("eps_shift", self.eps_shift, 0, 62 // self.p)
         check_int("mant_bits", self.mant_bits, 2 * self.p, 40)
+        if self.lanes not in LANES:
+            raise ValueError(f"lanes (the per-element datapath width) must be one of {LANES}, got {self.lanes!r}")
         if self.p == 2 and self.mant_bits % 2:
             # An even width keeps M in [2^(mb-1), 2^(mb+1)), whose rsqrt never lands on a
             # power of two: r needs exactly inv_bits + 1 bits.
@@ -226,6 +259,11 @@ class NormConfig(abc.ABC):
     def num_shift(self) -> int:
         """H = h + g: the numerator's shift against W = S·2^(p g) + ε_int (stage 3)."""
         return self.pre_shift + self.eps_shift
+
+    @property
+    def num_mult(self) -> int:
+        """The multiplier of x in the numerator: N (``N·x − Σx``) or 1 (``x``)."""
+        return self.n if self.centered else 1
 
     def gain_factor(self) -> float:
         """The op's real constant G folded into every γ multiplier (1 for LayerNorm)."""
@@ -276,8 +314,9 @@ def centered(x: Any, n: int, trace: Trace | None) -> tuple[Any, Any]:
     return s, record(trace, "centered", n * x - s)
 
 
-def centered_ranges(rep: RangeReport, cfg: NormConfig) -> int:
-    """Adds sum and centered; returns D = max |d| = (N−1)(hi − lo).
+def centered_ranges(rep: RangeReport, cfg: NormConfig, record_centered: bool = True) -> int:
+    """Adds sum (and centered, for a statistic that forms d); returns
+    D = max |d| = (N−1)(hi − lo), the numerator's bound.
 
     |d_i| = |Σ_j (x_i − x_j)| <= (N−1)(hi − lo), reached by one element at an end
     of the range and the others at the other end.
@@ -285,7 +324,8 @@ def centered_ranges(rep: RangeReport, cfg: NormConfig) -> int:
     x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
     rep.add("sum", x * cfg.n)
     d = (cfg.n - 1) * (x.hi - x.lo)
-    rep.add("centered", Interval(-d, d))
+    if record_centered:
+        rep.add("centered", Interval(-d, d))
     return d
 
 
@@ -348,11 +388,44 @@ def split_exponent(w: Any, cfg: NormConfig, stat_bits: int, trace: Trace | None)
     return e, record(trace, "mant", m)
 
 
-def shift_numerator(num: Any, e: Any, cfg: NormConfig, trace: Trace | None) -> Any:
-    """``u = num · 2^(H − e)``, H = h + g: exact for e <= H, rounded by the config's mode above."""
-    t = e - cfg.num_shift
-    up = select(t > 0, t, t * 0)
-    return record(trace, "num_scaled", rshift_round(num, up, cfg.rounding) << (up - t))
+def row_affine(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace: Trace | None) -> tuple[Any, Any, Any]:
+    """Stage 3's per-row constants: multiplier a, offset c (0 for an uncentered
+    numerator) and the shift K of ``z = round((x·a − c) / 2^K)``.
+
+    With K0 = F_r + e − F_z − H the exact ``z = num · r / 2^K0``.  The row's own
+    multiplier shift ``j_r = clamp(K0, 0, j)`` never exceeds K0, so K0 − j_r is
+    negative only where j_r = 0 and a, c are exact: the rounding of a and c is
+    divided by 2^K, never multiplied.  A negative K0 − j_r (rows of tiny
+    variance) is folded into a and c as an exact left shift, so K >= 0 and the
+    per-element path has one right shift.  ``c = round(Σx · a / N)``, formed as
+    ``a·m + round(D·a / N)`` with ``m = floor(Σx / N)``, ``D = Σx − N m`` (no
+    product wider than the row's own values): x·a − c then equals
+    ``num · a / N`` within 1, so a constant row gives exactly 0.
+    """
+    mode = cfg.rounding
+    k0 = e + z_shift_base(cfg)
+    jr = clamp(k0, 0, mult_shift)
+    up = clamp(jr - k0, 0, 62)  # 2^-(K0 − j_r) folded into a and c where K0 < j_r
+    a0 = rshift_round(r * cfg.num_mult, jr, mode)
+    a = record(trace, "mult", a0 << up)
+    if cfg.centered:
+        m = div_round(s1, cfg.n, Round.FLOOR)
+        c = record(trace, "offset", (a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)) << up)
+    else:
+        c = 0
+    k = record(trace, "z_shift", k0 - jr + up)
+    return a, c, k
+
+
+def z_shift_base(cfg: NormConfig) -> int:
+    """K0 − e = F_r − F_z − H: the constant part of the row's total shift."""
+    return cfg.inv_frac_bits - cfg.frac_bits - cfg.num_shift
+
+
+def normalize(x: Any, a: Any, c: Any, k: Any, cfg: NormConfig, trace: Trace | None) -> Any:
+    """Stage 3 per element: ``z = round((x·a − c) / 2^K)``, in the datapath's lanes."""
+    xa = record(trace, "xa", x * a - c)
+    return record(trace, "z", rshift_round(xa, k, cfg.rounding))
 
 
 def exponent_segments(w_iv: Interval, cfg: NormConfig) -> dict[int, Interval]:
@@ -523,13 +596,15 @@ class RowAnalysis:
 
     ``items``: the report's entries through ``z``, in order; ``channel_z``: z's
     range per run of channels, ``(start, stop, interval)`` covering 0..N;
-    ``stat_bits``: the bit length of W's largest value.
+    ``stat_bits``: the bit length of W's largest value; ``mult_shift``: j, the
+    constant shift of the per-row multiplier and offset (stage 3).
     """
 
     items: tuple[tuple[str, Interval], ...]
     z: Interval
     channel_z: tuple[tuple[int, int, Interval], ...]
     stat_bits: int
+    mult_shift: int
 
 
 # Config fields that only the output stage (stage 4) reads; every other field,
@@ -611,6 +686,8 @@ class NormOp(IntOp):
     config_cls: ClassVar[type[NormConfig]]
     inverse_name: ClassVar[str]
     op_defaults: ClassVar[dict[str, Any]]  # the op's own from_float options and defaults
+    # what outputs wider than 8 bits default to instead (may also name mant_bits)
+    wide_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: NormConfig, params: FloatParams) -> None:
         if not isinstance(config, self.config_cls):
@@ -623,8 +700,11 @@ class NormOp(IntOp):
         self.out_fmt = config.out_fmt
         self._gain = np.asarray(config.gain, dtype=np.int64)
         self._bias = np.asarray(config.bias, dtype=np.int64)
-        report = self.ranges().check()
-        self._stat_bits = max(1, report["stat"].hi.bit_length())
+        row = self.row_analysis(config)
+        self._window = output_window(config, self._gain, self._bias, row.channel_z)
+        self._stat_bits = row.stat_bits
+        self._mult_shift = row.mult_shift
+        self.ranges()  # checked: 63 bits everywhere, the lanes for every per-element stage
 
     # ---- construction from floats
 
@@ -639,8 +719,9 @@ class NormOp(IntOp):
         *,
         frac_bits: int | None = None,
         mant_bits: int | None = None,
-        mult_bits: int = 16,
+        mult_bits: int | None = None,
         rounding: Round | str = DEFAULT_ROUND,
+        lanes: int | None = None,
         **options: Any,
     ) -> NormOp:
         """Quantize float γ (N,), β (N,) or None, and ε >= 0 into an op.
@@ -648,14 +729,28 @@ class NormOp(IntOp):
         ε is in the real units of the op's statistic: σ² for LayerNorm and the shift
         norm, x² for RMSNorm, σ for L1.  ``options`` are the op's own fields with
         their defaults in ``op_defaults`` (``inv_bits``; ``partial`` for RMSNorm;
-        ``mantissa_terms`` for the shift norm).
+        ``mantissa_terms`` for the shift norm).  ``lanes``: the per-element datapath
+        (:data:`LANES`); by default 32 for inputs and outputs of up to 8 bits (the
+        datapath every target shares) and 64 above.  A config whose intermediates
+        do not fit it is refused (:class:`OverflowRiskError`), never widened silently.
+
+        Outputs wider than 8 bits (±2^15 LSB for int16) need relative precision
+        near 2^-20 in the inverse and the gains: their defaults are the op's
+        ``wide_defaults`` (a wider mantissa / inverse) and 24-bit gain multipliers.
         """
         unknown = sorted(set(options) - set(cls.op_defaults))
         if unknown:
             raise ValueError(f"{cls.__name__} has no option(s) {unknown}; its options: {sorted(cls.op_defaults)}")
+        wide = out_fmt.bits > 8
+        defaults = {**cls.op_defaults, **(cls.wide_defaults if wide else {})}
+        if mant_bits is None:
+            mant_bits = defaults.pop("mant_bits", None)
+        defaults.pop("mant_bits", None)
+        if mult_bits is None:
+            mult_bits = WIDE_MULT_BITS if wide else MULT_BITS
         return cls._build(
-            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding,
-            **{**cls.op_defaults, **options},
+            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, lanes,
+            **{**defaults, **options},
         )
 
     @classmethod
@@ -670,6 +765,7 @@ class NormOp(IntOp):
         mant_bits: int | None,
         mult_bits: int,
         rounding: Round | str,
+        lanes: int | None,
         **op_fields: Any,
     ) -> NormOp:
         """Quantize float parameters into a config, deterministically.
@@ -697,6 +793,7 @@ class NormOp(IntOp):
             frac_bits=0,
             mant_bits=cls.config_cls.default_mant_bits if mant_bits is None else mant_bits,
             rounding=rounding,
+            lanes=default_lanes(in_fmt, out_fmt) if lanes is None else lanes,
             **op_fields,
         )
         real_gain = params.gamma * base.gain_factor() / out_fmt.scale
@@ -704,7 +801,10 @@ class NormOp(IntOp):
             frac_bits = default_frac_bits(real_gain, base.inv_frac_bits)
         # A shift beyond 59 − out_bits would put the clipped bias past 62 bits; at
         # that shift a gain of one multiplier LSB moves the output by < 2^-30 LSB.
-        max_shift = 59 - out_fmt.bits
+        # In the lanes, acc's window [(lo − 1) 2^s − |m|, (hi + 1) 2^s + |m|] needs
+        # out_bits + s + 1 bits, less one of rounding headroom: s <= lanes − 3 − out_bits
+        # (a gain that then falls below the multiplier's LSB is a constant channel).
+        max_shift = min(59, base.lanes - 3) - out_fmt.bits
         gain, shift = cls._quantize_gain(np.ldexp(real_gain, -frac_bits), mult_bits, max_shift)
         cfg = replace(base, gain=gain, shift=shift, frac_bits=frac_bits)
         eps_s = cfg.eps_exact(params.eps)
@@ -746,28 +846,25 @@ class NormOp(IntOp):
 
     def _forward(self, x: Any, trace: Trace | None) -> Any:
         cfg = self.config
-        s, num = self._statistic(x, trace)
+        s, s1 = self._statistic(x, trace)
         w = add_eps(s, cfg, trace)
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
-        inv = self._inverse(m, trace)
-        u = shift_numerator(num, e, cfg, trace)
-        del num  # each per-element intermediate is dropped once used: less memory in flight
-        prod = record(trace, "prod", self._product(u, inv, trace))
-        del u
-        z = record(trace, "z", rshift_round(prod, cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding))
-        del prod
+        r = self._inverse(m, trace)
+        a, c, k = row_affine(s1, r, e, cfg, self._mult_shift, trace)
+        z = normalize(x, a, c, k, cfg, trace)
         return self._output(z, trace)
 
-    def _product(self, u: Any, inv: Any, trace: Trace | None) -> Any:
-        return u * inv
-
-    def _scale(self, z: Any) -> Any:
-        return z * const_like(z, self._gain)
+    def _scale(self, zc: Any) -> Any:
+        return zc * const_like(zc, self._gain)
 
     def _output(self, z: Any, trace: Trace | None) -> Any:
-        cfg = self.config
-        scaled = record(trace, "scaled", self._scale(z))
-        acc = record(trace, "acc", scaled + const_like(scaled, self._bias))
+        cfg, win = self.config, self._window
+        zc = clamp(z, const_like(z, win.lo), const_like(z, win.hi)) - const_like(z, win.off)
+        del z  # each per-element intermediate is dropped once used: less memory in flight
+        zc = record(trace, "zc", zc)
+        scaled = record(trace, "scaled", self._scale(zc))
+        del zc
+        acc = record(trace, "acc", scaled + const_like(scaled, win.bias))
         del scaled
         y = record(trace, "y", rshift_round(acc, cfg.shift, cfg.rounding))
         del acc
@@ -777,7 +874,8 @@ class NormOp(IntOp):
 
     def ranges(self) -> RangeReport:
         """Every intermediate's exact bounds.  The report is checked against 63 bits
-        at stage ends, before a bound too wide for fixedpoint's operands is shifted."""
+        at stage ends, before a bound too wide for fixedpoint's operands is shifted,
+        and every per-element stage against the datapath's lanes."""
         return self._report(self.config, self._gain, self._bias)
 
     @classmethod
@@ -786,7 +884,8 @@ class NormOp(IntOp):
         row = cls.row_analysis(cfg)
         rep = RangeReport(cls.name)
         rep.items.update(row.items)
-        output_ranges(rep, cfg, gain, bias, row.channel_z)
+        output_ranges(rep, cfg, gain, output_window(cfg, gain, bias, row.channel_z))
+        check_lanes(rep, cfg)
         return rep
 
     @classmethod
@@ -810,26 +909,62 @@ class NormOp(IntOp):
         mants = [mantissa_range(e, seg, cfg) for e, seg in segs.items()]
         m_iv = rep.add("mant", Interval(min(m.lo for m in mants), max(m.hi for m in mants)))
         inv = rep.add(cls.inverse_name, cls._inverse_range(cfg, m_iv))
-        z = cls._normalized_ranges(cfg, stat, segs, inv, rep)
-        rep.check()  # z (never wider than prod): every entry handed on is checked
-        chans = cls._channel_z(cfg, stat, segs, inv, z)
-        return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()))
+        j = mult_shift(cfg, cls._products(cfg, stat, segs, inv))
+        row_affine_ranges(rep, cfg, inv, segs, j)
+        rep.check()
+        z = cls._normalized_ranges(cfg, stat, segs, inv, j, rep)
+        rep.check()  # every entry handed on is checked
+        chans = cls._channel_z(cfg, stat, segs, inv, j, z)
+        return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()), j)
+
+    @classmethod
+    def _products(
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval
+    ) -> dict[int, tuple[Fraction, int]]:
+        """Per exponent e: (max |num · r|, max |u · r|).
+
+        The op's product bound covers |u r| with u = num 2^(H − e), rounded when
+        e > H (r_max more covers the exact value there), so
+        |num r| <= (bound_e + [e > H] r_max) 2^(e − H): the numerator's size and
+        the inverse's size are not both extreme in one row."""
+        by_exp = numerator_by_exponent(cfg, stat, segs)
+        out, h = {}, cfg.num_shift
+        for e, u in by_exp.items():
+            pb = cls._product_bound(cfg, stat, {e: segs[e]}, {e: u}, inv) + (inv.hi if e > h else 0)
+            out[e] = (pb * Fraction(2) ** (e - h), pb)
+        return out
 
     @classmethod
     def _normalized_ranges(
-        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, rep: RangeReport | None
+        cls,
+        cfg: NormConfig,
+        stat: StatBounds,
+        segs: dict[int, Interval],
+        inv: Interval,
+        j: int,
+        rep: RangeReport | None,
     ) -> Interval:
-        """num_scaled, prod and z (recorded when ``rep`` is given)."""
-        by_exp = numerator_by_exponent(cfg, stat, segs)
-        u = Interval(min(v.lo for v in by_exp.values()), max(v.hi for v in by_exp.values()))
+        """xa and z (recorded when ``rep`` is given).
+
+        z is the exact normalized value ``num · r / 2^K0`` plus what the datapath
+        adds: where j_r > 0, a and c are rounded, ``xa = num·a/N + δ`` and
+        ``a = N r / 2^j_r + δa`` (|δ|, |δa| < 1), an error below |num|/N + 1 <=
+        span + 1 units of xa, divided by 2^K (K >= 0 there); and z's own rounding
+        when K > 0.  The exact part, per exponent, is the op's product bound
+        (``|u r|`` with ``u = num 2^(H − e)``) over 2^(F_r − F_z).
+        """
+        products = cls._products(cfg, stat, segs, inv)
         if rep is not None:
-            rep.add("num_scaled", u)
-        big = cls._product_bound(cfg, stat, segs, by_exp, inv, rep)
-        prod = Interval(-big, big)
-        if rep is not None:
-            rep.add("prod", prod)
-            rep.check()
-        z = prod.rshift(cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding)
+            xa = xa_bound(cfg, products, j)
+            rep.add("xa", Interval(-xa, xa))
+        t = 0
+        for e, (_, pb) in products.items():
+            jr, _, k = row_shifts(cfg, e, j)
+            # the datapath's error: a and c rounded (j_r > 0, then K >= 0), z rounded (K > 0)
+            err = Fraction(span_of(cfg) + 1, 1 << k) if jr else Fraction(0)
+            extra = err + (1 if k > 0 else 0)
+            t = max(t, math.floor(Fraction(pb, 1 << (cfg.inv_frac_bits - cfg.frac_bits)) + extra))
+        z = Interval(-t, t)
         return z if rep is None else rep.add("z", z)
 
     @classmethod
@@ -840,13 +975,13 @@ class NormOp(IntOp):
         segs: dict[int, Interval],
         by_exp: dict[int, Interval],
         inv: Interval,
-        rep: RangeReport | None,
     ) -> int:
+        """max |u · r|, u = num 2^(H − e): bounds the exact normalized value."""
         return product_bound(cfg, stat, segs, by_exp, inv.hi)
 
     @classmethod
     def _channel_z(
-        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, j: int, z: Interval
     ) -> tuple[tuple[int, int, Interval], ...]:
         """z's range per run of channels, ``(start, stop, interval)`` (an op whose
         channels differ overrides this)."""
@@ -856,8 +991,8 @@ class NormOp(IntOp):
 
     @abc.abstractmethod
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
-        """(S per row with keepdims, numerator per element), ε not yet added;
-        records its intermediates."""
+        """(S per row with keepdims, ε not yet added; Σx per row for a centered
+        numerator, else None); records its intermediates."""
 
     @classmethod
     @abc.abstractmethod
@@ -897,47 +1032,151 @@ class NormOp(IntOp):
         return (normalized * g + b).numpy()
 
 
-def output_ranges(
-    rep: RangeReport,
-    cfg: NormConfig,
-    gain: np.ndarray,
-    bias: np.ndarray,
-    channel_z: tuple[tuple[int, int, Interval], ...],
-) -> None:
-    """Stage 4: scaled, acc, y, out as hulls of per-channel ranges; a channel's z
-    reaches both ends (the extremal row can put its odd element anywhere), so they
-    are tight.
+def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
+    """(j_r, up, K) of a row with exponent e (:func:`row_affine`): the multiplier's
+    right shift, the left shift folded into a and c, and z's right shift."""
+    k0 = e + z_shift_base(cfg)
+    jr = min(max(k0, 0), j)
+    up = max(jr - k0, 0)
+    return jr, up, k0 - jr + up
 
-    Per run of channels sharing z's range [a, b]: z·m is linear in m, so the hull
-    of z·m_c over the run is spanned by a and b times the run's smallest and
-    largest m; acc's ends min(a m_c, b m_c) + B_c and max(…) + B_c are taken
-    vectorized in int64 where every product and sum provably fits (else with
-    Python ints, exactly).
+
+def mult_shift(cfg: NormConfig, products: dict[int, tuple[Fraction, int]]) -> int:
+    """j: the smallest cap of the per-row multiplier shift that keeps
+    ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom)."""
+    limit = 1 << (cfg.lanes - 2)
+    for j in range(63):
+        if xa_bound(cfg, products, j) < limit:
+            return j
+    raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+
+
+def xa_bound(cfg: NormConfig, products: dict[int, tuple[Fraction, int]], j: int) -> int:
+    """max |x·a − c| over the row's exponents: |num·r| / 2^j_r, plus span + 1 where
+    a and c are rounded (j_r > 0; exact otherwise)."""
+    span, out = span_of(cfg), 0
+    for e, (num_r, _) in products.items():
+        jr, up, _ = row_shifts(cfg, e, j)
+        out = max(out, math.floor(num_r * (1 << up) / (1 << jr)) + (span + 1 if jr else 0))
+    return out
+
+
+def span_of(cfg: NormConfig) -> int:
+    """max |x − x'| over the input format: bounds |num| / N (centered) and |x| (not)."""
+    return cfg.in_fmt.hi - cfg.in_fmt.lo if cfg.centered else max(-cfg.in_fmt.lo, cfg.in_fmt.hi)
+
+
+def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: dict[int, Interval], j: int) -> None:
+    """mult, offset and z_shift: the per-row constants of stage 3, over the
+    exponents' own multiplier shifts j_r = clamp(e + base, 0, j).
+
+    The per-element product x·a runs in the lanes modulo 2^lanes where a is wider
+    than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
+    shifts = sorted({row_shifts(cfg, e, j) for e in segs})
+    nr = inv * cfg.num_mult
+    mults = [nr.rshift(jr, cfg.rounding) for jr, _, _ in shifts]
+    a = rep.add("mult", Interval.hull(*(v << up for m, (_, up, _) in zip(mults, shifts) for v in (m.lo, m.hi))))
+    if cfg.centered:
+        mean = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)  # Σx / N: c = round(Σx·a0/N) 2^up
+        ends = [(mean * m + Interval(-1, 1)) * (1 << up) for m, (_, up, _) in zip(mults, shifts)]
+        rep.add("offset", Interval(min(v.lo for v in ends), max(v.hi for v in ends)))
+    rep.add("z_shift", Interval(min(k for *_, k in shifts), max(k for *_, k in shifts)))
+
+
+def check_lanes(rep: RangeReport, cfg: NormConfig) -> None:
+    """Refuse the config if a per-element stage does not fit the datapath's lanes
+    (less one bit of rounding headroom, as every limit here)."""
+    for name in ELEMENT_STAGES:
+        iv = rep[name]
+        if iv.bits > cfg.lanes - 1:
+            raise OverflowRiskError(
+                f"{rep.op}: per-element intermediate {name!r} spans [{iv.lo}, {iv.hi}], which needs "
+                f"{iv.bits} bits, but the {cfg.lanes}-bit datapath holds {cfg.lanes - 1}; "
+                f"shorten the row, narrow the formats, or choose lanes={LANES[-1]}"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class OutputWindow:
+    """Stage 4 in narrow lanes: ``zc = clamp(z, lo_c, hi_c) − off_c``,
+    ``acc = zc · m_c + bias_c`` (per-channel int64 vectors, or Python-int object
+    arrays where a value needs more than 60 bits)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    off: np.ndarray
+    bias: np.ndarray
+
+
+def output_window(
+    cfg: NormConfig, gain: np.ndarray, bias: np.ndarray, channel_z: tuple[tuple[int, int, Interval], ...]
+) -> OutputWindow:
+    """The clamp window and recentring of every channel; the outputs are exactly
+    those of ``sat(round((z · m_c + B_c) / 2^s))``.
+
+    With ``off = −floor(B / m)`` and ``b = B + off·m`` (|b| < |m|), the output is
+    ``sat(round((w m + b) / 2^s))`` in ``w = z − off``.  acc >= top = (hi + 1) 2^s
+    gives y >= hi + 1 and acc <= bot = (lo − 1) 2^s gives y <= lo − 1 under every
+    rounding mode (exact multiples of 2^s), so with ``[wl, wh]`` the smallest
+    integer window whose ends reach top and bot, clamping w to it changes no
+    output: beyond an end the output is saturated to that end's value.  The
+    window is intersected with z's proven range; a channel whose whole range lies
+    beyond one end is a constant: zc = 0 and the bias alone saturates (top or
+    bot).  A zero gain is a constant channel too (the bias was already clipped
+    to [bot, top]).
     """
-    s_lo = s_hi = a_lo = a_hi = None
+    n = cfg.n
+    z_lo, z_hi = np.zeros(n, dtype=object), np.zeros(n, dtype=object)
     for start, stop, z in channel_z:
-        m, b = gain[start:stop], bias[start:stop]
-        m_lo, m_hi, b_lo, b_hi = int(m.min()), int(m.max()), int(b.min()), int(b.max())
-        corners = (z.lo * m_lo, z.lo * m_hi, z.hi * m_lo, z.hi * m_hi)
-        lo, hi = min(corners), max(corners)
-        s_lo, s_hi = (lo, hi) if s_lo is None else (min(s_lo, lo), max(s_hi, hi))
-        if b_lo == b_hi:  # one bias for the whole run (β = 0 while the guard is searched)
-            lo, hi = lo + b_lo, hi + b_lo
-        elif max(-z.lo, z.hi) * max(-m_lo, m_hi) + max(-b_lo, b_hi) < 1 << 63:
-            p, q = m * z.lo, m * z.hi
-            lo, hi = int((np.minimum(p, q) + b).min()), int((np.maximum(p, q) + b).max())
-        else:
-            ends = [(min(z.lo * v, z.hi * v) + c, max(z.lo * v, z.hi * v) + c) for v, c in zip(m.tolist(), b.tolist())]
-            lo, hi = min(e[0] for e in ends), max(e[1] for e in ends)
-        a_lo, a_hi = (lo, hi) if a_lo is None else (min(a_lo, lo), max(a_hi, hi))
-    # The row analysis' entries passed their checks: only the two new ones remain.
+        z_lo[start:stop], z_hi[start:stop] = z.lo, z.hi
+    top, bot = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
+    span = max(abs(int(v)) for v in (top, bot, *z_lo[:1], *z_hi[:1], int(np.abs(bias).max())))
+    wide = max(span, int(np.abs(gain).max()) * max(max(-z.lo, z.hi) for *_, z in channel_z)) >= 1 << 60
+    dt = object if wide else np.int64
+    m, b0 = gain.astype(dt), bias.astype(dt)
+    z_lo, z_hi = z_lo.astype(dt), z_hi.astype(dt)
+    live = m != 0
+    ms = np.where(live, m, 1)
+    off = np.where(live, -(b0 // ms), 0)
+    b = b0 + off * m
+    up = m > 0
+    wl = np.where(up, bot - b, top - b) // ms
+    wh = -((np.where(up, b - top, b - bot)) // ms)
+    fl, fh = z_lo - off, z_hi - off
+    lo, hi = np.maximum(wl, fl), np.minimum(wh, fh)
+    const = live & (lo > hi)
+    saturates_high = up == (fl > wh)  # the range lies beyond the end that gives hi
+    b = np.where(const, np.where(saturates_high, top, bot), b)
+    keep = live & ~const
+    zero = np.zeros(n, dtype=dt)
+    off = np.where(keep, off, zero)
+    return OutputWindow(
+        lo=np.where(keep, lo + off, zero), hi=np.where(keep, hi + off, zero), off=off, bias=np.where(live, b, b0)
+    )
+
+
+def output_ranges(rep: RangeReport, cfg: NormConfig, gain: np.ndarray, win: OutputWindow) -> None:
+    """Stage 4: zc, scaled, acc, y, out as hulls of per-channel ranges (a channel's
+    zc reaches both ends of its window, so they are tight)."""
+    wl, wh = win.lo - win.off, win.hi - win.off
+    m = gain.astype(win.lo.dtype)
+    p, q = wl * m, wh * m
+    s_lo, s_hi = np.minimum(p, q), np.maximum(p, q)
+    # The row analysis' entries passed their checks: only the new ones remain.
     stage = RangeReport(rep.op)
-    stage.add("scaled", Interval(s_lo, s_hi))
-    acc = stage.add("acc", Interval(a_lo, a_hi))
+    stage.add("zc", Interval(int(wl.min()), int(wh.max())))
+    stage.add("scaled", Interval(int(s_lo.min()), int(s_hi.max())))
+    acc = stage.add("acc", Interval(int((s_lo + win.bias).min()), int((s_hi + win.bias).max())))
     stage.check()
     rep.items.update(stage.items)
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
     rep.add("out", y.clamp(cfg.out_fmt.lo, cfg.out_fmt.hi))
+
+
+def default_lanes(in_fmt: QFormat, out_fmt: QFormat) -> int:
+    """The narrow datapath for inputs and outputs of up to 8 bits, the wide one above
+    (a 16-bit output needs ~24-bit products in its output stage)."""
+    return LANES[0] if max(in_fmt.bits, out_fmt.bits) <= 8 else LANES[1]
 
 
 def default_frac_bits(real_gain: np.ndarray, limit: int) -> int:

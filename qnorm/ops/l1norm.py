@@ -96,14 +96,15 @@ class L1LayerNorm(NormOp):
     """L1 LayerNorm over the last axis (see the module docstring)."""
 
     name = "l1_layernorm"
-    multiplications = ("centered", "prod", "scaled")
+    multiplications = ("centered", "mult", "offset", "xa", "scaled")
     config_cls = L1NormConfig
     inverse_name = "recip"
     op_defaults = {"inv_bits": 16}
+    wide_defaults = {"mant_bits": 24, "inv_bits": 24}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
-        _, d = centered(x, self.config.n, trace)
-        return record(trace, "sum_abs", row_sum(absolute(d))), d
+        s, d = centered(x, self.config.n, trace)
+        return record(trace, "sum_abs", row_sum(absolute(d))), s
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:

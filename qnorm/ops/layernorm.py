@@ -36,7 +36,6 @@ from qnorm.ops._normcore import (
     NormConfig,
     NormOp,
     StatBounds,
-    centered,
     centered_ranges,
     check_int,
     rsqrt_mode,
@@ -101,20 +100,21 @@ def variance(x: Any, s: Any, n: int, trace: Trace | None) -> Any:
 
 
 def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
-    """Ranges of the variance pipeline and the relation for d.
+    """Ranges of the variance pipeline and the relation for d = N·x − S (the
+    numerator stage 3 folds into the per-row multiplier and offset).
 
     d_i² <= (N−1) V (module docstring) and |d_i| <= D = (N−1)(hi − lo); both are
-    reached together by [lo, hi, …, hi].  The element products N·x and x·x are
-    bounded by n_sum_sq and sum_sq and need no entry of their own.
+    reached together by [lo, hi, …, hi].  The element products x·x are bounded by
+    sum_sq and need no entry of their own.
     """
-    d = centered_ranges(rep, cfg)
+    d = centered_ranges(rep, cfg, record_centered=False)
     x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
     q = rep.add("sum_sq", x.square() * cfg.n)
     rep.add("n_sum_sq", q * cfg.n)
     rep.add("sum_squared", rep["sum"].square())
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
-    return StatBounds(v, rep["centered"], Fraction(cfg.n - 1), d * d)
+    return StatBounds(v, Interval(-d, d), Fraction(cfg.n - 1), d * d)
 
 
 def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:
@@ -149,13 +149,14 @@ class IntLayerNorm(RsqrtNorm):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
-    multiplications = ("centered", "sum_sq", "n_sum_sq", "sum_squared", "prod", "scaled")
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "mult", "offset", "xa", "scaled")
     config_cls = LayerNormConfig
     op_defaults = {"inv_bits": 15}
+    wide_defaults = {"mant_bits": 22, "inv_bits": 19}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
-        s, d = centered(x, self.config.n, trace)
-        return variance(x, s, self.config.n, trace), d
+        s = record(trace, "sum", row_sum(x))
+        return variance(x, s, self.config.n, trace), s
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:

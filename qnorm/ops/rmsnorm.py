@@ -47,6 +47,8 @@ class RMSNormConfig(RsqrtConfig):
 
     partial: float = 1.0
 
+    centered = False  # the numerator is x itself
+
     def __post_init__(self) -> None:
         p = self.partial
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
@@ -74,13 +76,14 @@ class IntRMSNorm(RsqrtNorm):
     """Integer (partial) RMSNorm over the last axis (see the module docstring)."""
 
     name = "int_rmsnorm"
-    multiplications = ("sum_sq", "prod", "scaled")
+    multiplications = ("sum_sq", "mult", "xa", "scaled")
     config_cls = RMSNormConfig
     op_defaults = {"partial": 1.0, "inv_bits": 15}
+    wide_defaults = {"mant_bits": 22, "inv_bits": 19}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         head = take_prefix(x, self.config.prefix)
-        return record(trace, "sum_sq", row_sum(head * head)), x
+        return record(trace, "sum_sq", row_sum(head * head)), None
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
@@ -94,13 +97,13 @@ class IntRMSNorm(RsqrtNorm):
 
     @classmethod
     def _channel_z(
-        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, z: Interval
+        cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval, j: int, z: Interval
     ) -> tuple[tuple[int, int, Interval], ...]:
         """Channels inside the prefix keep |z| <= 2^(F_z + h); only the rest can blow up."""
         k, n = cfg.prefix, cfg.n
         if k == n:
             return ((0, n, z),)
-        inside = cls._normalized_ranges(cfg, replace(stat, outside=None), segs, inv, None)
+        inside = cls._normalized_ranges(cfg, replace(stat, outside=None), segs, inv, j, None)
         return ((0, k, inside), (k, n, z))
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:

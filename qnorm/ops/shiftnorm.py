@@ -40,10 +40,9 @@ from qnorm.ops._normcore import (
     NormConfig,
     NormOp,
     StatBounds,
-    centered,
     mantissa_range,
 )
-from qnorm.ops._xp import const_like
+from qnorm.ops._xp import const_like, row_sum
 from qnorm.ops.base import Trace, record
 from qnorm.ops.layernorm import (
     layer_norm_reference,
@@ -181,8 +180,9 @@ class ShiftLayerNorm(NormOp):
     """LayerNorm with power-of-two 1/σ and γ (see the module docstring)."""
 
     name = "shift_layernorm"
-    # normalizes and scales by shifts: only the statistic multiplies
-    multiplications = ("centered", "sum_sq", "n_sum_sq", "sum_squared")
+    # scales by shifts; the per-row multiplier N·(2^hi ± 2^lo) (rounded by 2^-j
+    # for long rows) is applied to x as in every norm
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "mult", "offset", "xa")
     config_cls = ShiftNormConfig
     inverse_name = "rsqrt_pow2"
     op_defaults = {"mantissa_terms": 2}
@@ -221,33 +221,21 @@ class ShiftLayerNorm(NormOp):
         return tuple(out.tolist()), s
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
-        s, d = centered(x, self.config.n, trace)
-        return variance(x, s, self.config.n, trace), d
+        s = record(trace, "sum", row_sum(x))
+        return variance(x, s, self.config.n, trace), s
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
         return variance_ranges(cfg, rep)
 
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
-        """Per row: count the thresholds M crosses, read off value, hi, lo, sign."""
+        """Per row: count the thresholds M crosses; the chosen 2^hi ± 2^lo."""
         _, cands = mantissa_table(self.config.mantissa_terms)
-        first, zero = cands[0], m * 0
-        value, hi, lo, sign = zero + first.value, zero + first.hi, zero + first.lo, zero + first.sign
+        value = m * 0 + cands[0].value
         thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
         for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands)):
-            crossed = m >= t
-            value = value + select(crossed, cur.value - prev.value, 0)
-            hi = hi + select(crossed, cur.hi - prev.hi, 0)
-            lo = lo + select(crossed, cur.lo - prev.lo, 0)
-            sign = sign + select(crossed, cur.sign - prev.sign, 0)
-        return record(trace, "rsqrt_pow2", value), hi, lo, sign
-
-    def _product(self, u: Any, inv: Any, trace: Trace | None) -> Any:
-        """u · (2^hi ± 2^lo) as two shifts and one add/subtract (the second term
-        negated or dropped by the row's sign: :func:`signed_term`)."""
-        _, hi, lo, sign = inv
-        big = record(trace, "prod_hi", u << hi)
-        return big + signed_term(u << lo, negate_mask(sign), nonzero_mask(sign))
+            value = value + select(m >= t, cur.value - prev.value, 0)
+        return record(trace, "rsqrt_pow2", value)
 
     def _scale(self, z: Any) -> Any:
         """z · (±2^l_c): a shift and a conditional negate."""
@@ -279,22 +267,19 @@ class ShiftLayerNorm(NormOp):
         segs: dict[int, Interval],
         by_exp: dict[int, Interval],
         inv: Interval,
-        rep: RangeReport | None,
     ) -> int:
         """Per exponent e and candidate, on the candidate's part of M's range:
         |u| <= sqrt(ratio_e 4^H (M_hi + [e > 0])) + [e > H] (X < M + 1 when M is
         truncated; u = num 2^(H − e) is rounded when e > H, H = g the ε guard),
-        capped by u's range; times the candidate's value (the product) or 2^hi
-        (the first partial product).  In integers: ratio_e = n / d."""
-        prod = part = 0
+        capped by u's range; times the candidate's value.  In integers:
+        ratio_e = n / d."""
+        prod = 0
         h = cfg.num_shift
         for e, u_iv in by_exp.items():
             (rn, rd), u_cap = stat.ratio_terms(segs[e]), max(-u_iv.lo, u_iv.hi)
             for cand, seg in cls._segments(cfg, mantissa_range(e, segs[e], cfg)):
                 u = min(u_cap, math.isqrt((rn * (seg.hi + (e > 0)) << (2 * h)) // rd) + (e > h))
-                prod, part = max(prod, u * cand.value), max(part, u << cand.hi)
-        if rep is not None:
-            rep.add("prod_hi", Interval(-part, part))
+                prod = max(prod, u * cand.value)
         return prod
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:

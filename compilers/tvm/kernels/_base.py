@@ -64,13 +64,22 @@ class ChannelConst:
 
     name: str
     values: np.ndarray  # int64, one value per channel (or per channel and level)
+    # a wider buffer dtype than the values need: the lanes of the loop that reads
+    # them, so a vector load is not followed by a widening shuffle
+    lanes: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", np.ascontiguousarray(self.values, dtype=np.int64))
+        if self.lanes is not None and int(self.lanes[3:]) < int(self.narrowest[3:]):
+            raise ValueError(f"{self.name}: values need {self.narrowest}, wider than the lanes' {self.lanes}")
+
+    @property
+    def narrowest(self) -> str:
+        return int_dtype(Interval(int(self.values.min()), int(self.values.max())))
 
     @property
     def dtype(self) -> str:
-        return int_dtype(Interval(int(self.values.min()), int(self.values.max())))
+        return self.narrowest if self.lanes is None else self.lanes
 
     def placeholder(self) -> te.Tensor:
         return te.placeholder(self.values.shape, self.dtype, name=self.name)

@@ -4,31 +4,30 @@ How :meth:`NormOp._forward`'s stages map to TIR (``rows`` symbolic, N static):
 
 1. **Statistic** — the op's own ``_statistic`` runs on :class:`~._rows.Rows`:
    its ``row_sum`` calls become TE reductions (``row_sum*`` stages, one value
-   per row, narrow accumulators), the numerator stays an inline per-element
-   expression; then ``_normcore.add_eps`` (ε with its guard bits) as is.
+   per row, narrow accumulators); then ``_normcore.add_eps`` (ε with its guard
+   bits) as is.
 2. **Split and inverse** (per row) — the op's ``split_exponent`` and
    ``_inverse`` called on TIR loads, cut into per-row stages by
    :func:`~compilers.tvm.primitives.staged_compute` (bit_length and rsqrt are
-   DAGs that would otherwise explode).  A tuple inverse (ShiftLayerNorm's
-   value, hi, lo, sign) becomes one stage per component.
-3. **Normalize** (per element) — the op's ``shift_numerator`` and ``_product``,
-   then ``z = rshift_round(prod, F_r − F_z)``: that line is ``_forward``'s own
-   glue, restated with the same fixedpoint call.  Shift amounts derived from
-   the row's exponent are staged once per row (:func:`~._stage.row_staged_compute`).
-4. **Affine output** (per element) — mirrors ``NormOp._output`` and the op's
-   ``_scale`` with the fixedpoint calls they make; mirrored, not called, because
-   they read the per-channel constants through ``_xp.const_like`` as whole numpy
-   vectors, and here a channel's constant is one load from an argument buffer.
+   DAGs that would otherwise explode).
+3. **Per-row affine, then normalize** — ``_normcore.row_affine`` (multiplier a,
+   offset c, shift K) per row in int64, then ``_normcore.normalize`` per element
+   **in the datapath's lanes** (``cfg.lanes``: int32 for int4/int8): the op's
+   range report proves every per-element intermediate fits them.  ``x·a − c``
+   is formed modulo 2^lanes in unsigned arithmetic (a may be wider than a lane
+   in rows of tiny variance; the result is proven to fit, so the wrap is exact,
+   and unsigned wrap-around is defined where signed overflow is not).
+4. **Affine output** (per element, lanes) — mirrors ``NormOp._output`` (the
+   clamp window) and the op's ``_scale`` with the fixedpoint calls they make;
+   mirrored, not called, because they read the per-channel constants through
+   ``_xp.const_like`` as whole numpy vectors, and here a channel's constant is
+   one load from an argument buffer.
 
 Mirrored stages are guarded twice: a kernel is refused for an op class that
 overrides ``_forward``, ``_output`` or ``_scale`` with code this module has not
 mirrored, and the names the stage functions record while the kernel is built
 must be exactly the op's range-report names, in order — a stage added to
-``NormOp._forward`` (as ``add_eps`` was) fails loudly instead of going missing.
-
-Where a multiply follows, its operands (num_scaled and the inverse before
-``_product``, z before ``_scale``) pass through :func:`~._base.fit` with the
-op's own proven ranges (``op.ranges()``): 32×32→64-bit products.
+``NormOp._forward`` fails loudly instead of going missing.
 """
 
 from __future__ import annotations
@@ -36,67 +35,68 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import tvm
 from tvm import te
 
-from compilers.tvm.kernels._base import ChannelConst, Kernel, fit, fmt_dtype, load64
+from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, load64
 from compilers.tvm.kernels._rows import ProvenTrace, Rows
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.analysis import Interval
-from qnorm.fixedpoint import rshift_round, saturate
-from qnorm.ops._normcore import NormOp, add_eps, shift_numerator, split_exponent
+from qnorm.fixedpoint import Round, clamp, rshift_round, saturate
+from qnorm.ops._normcore import NormOp, add_eps, row_affine, split_exponent
 from qnorm.ops.base import record
 from qnorm.ops.shiftnorm import ShiftLayerNorm, signed_term
 
 
-def _scale_multiply(z: Any, c: Any, consts: dict[str, te.Tensor]) -> Any:
-    """Mirror of ``NormOp._scale``: ``z * m_c``."""
-    return z * load64(consts["gain"], c)
+def _scale_multiply(zc: Any, c: Any, consts: dict[str, te.Tensor], dt: str) -> Any:
+    """Mirror of ``NormOp._scale``: ``zc * m_c``."""
+    return zc * load_as(consts["gain"], dt, c)
 
 
-def _scale_shift(z: Any, c: Any, consts: dict[str, te.Tensor]) -> Any:
-    """Mirror of ``ShiftLayerNorm._scale``: ``z << l_c``, then the op's own
+def _scale_shift(zc: Any, c: Any, consts: dict[str, te.Tensor], dt: str) -> Any:
+    """Mirror of ``ShiftLayerNorm._scale``: ``zc << l_c``, then the op's own
     ``signed_term`` with the channel's negate and keep masks."""
-    mag = z << load64(consts["log2"], c)
-    return signed_term(mag, load64(consts["neg"], c), load64(consts["keep"], c))
+    mag = zc << load_as(consts["log2"], dt, c)
+    return signed_term(mag, load_as(consts["neg"], dt, c), load_as(consts["keep"], dt, c))
 
 
-# Each mirrored ``_scale``: the function, the per-channel constants it reads, and
-# whether it multiplies (a multiplier's operands are worth narrowing, a shift's not).
-_SCALES: dict[Any, tuple[Callable[..., Any], Callable[[NormOp], dict[str, Any]], bool]] = {
-    NormOp._scale: (_scale_multiply, lambda op: {"gain": op.config.gain}, True),
+# Each mirrored ``_scale``: the function and the per-channel constants it reads.
+_SCALES: dict[Any, tuple[Callable[..., Any], Callable[[NormOp], dict[str, Any]]]] = {
+    NormOp._scale: (_scale_multiply, lambda op: {"gain": op.config.gain}),
     ShiftLayerNorm._scale: (
         _scale_shift,
         lambda op: {"log2": op._log2, "neg": op._neg, "keep": op._keep},
-        False,
     ),
 }
 
 
-def _keep(v: Any, iv: Interval) -> Any:
-    return v
+def load_as(t: te.Tensor, dtype: str, *idx: Any) -> Any:
+    """An element of ``t`` in ``dtype`` (the buffer holds it exactly: narrowest dtype)."""
+    v = tvm.runtime.convert(t[idx])
+    return v if str(t.dtype) == dtype else v.astype(dtype)
 
 
 def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     """``main(x, *consts, out)`` for one norm instance: x (rows, N) → out (rows, N)."""
     cls = type(op)
-    if (
-        cls._forward is not NormOp._forward
-        or cls._output is not NormOp._output
-        or cls._scale not in _SCALES
-    ):
-        raise NotImplementedError(
-            f"{cls.__name__} overrides a NormOp stage that norm_kernel does not mirror"
-        )
-    scale, scale_consts, scale_multiplies = _SCALES[cls._scale]
-    # fit() only where a multiply follows: around a shift its casts are pure cost
-    # (ShiftLayerNorm measured about 10 % slower with them)
-    product_operand = fit if cls._product is NormOp._product else _keep
-    scale_operand = fit if scale_multiplies else _keep
+    if cls._forward is not NormOp._forward or cls._output is not NormOp._output or cls._scale not in _SCALES:
+        raise NotImplementedError(f"{cls.__name__} overrides a NormOp stage that norm_kernel does not mirror")
+    scale, scale_consts = _SCALES[cls._scale]
     cfg, rep = op.config, op.ranges()
-    n = cfg.n
-    consts = [ChannelConst(k, v) for k, v in {**scale_consts(op), "bias": cfg.bias}.items()]
+    n, dt = cfg.n, f"int{cfg.lanes}"
+    udt = "u" + dt
+    win = op._window
+    half_up = cfg.rounding is Round.HALF_UP
+    if half_up:  # see _half_up_output: the clamp in z, the recentring folded into the bias
+        gain = np.asarray(cfg.gain, dtype=object)
+        acc_bias = win.bias.astype(object) - win.off.astype(object) * gain + ((1 << cfg.shift) >> 1)
+        channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "bias": _wrap(acc_bias, cfg.lanes)}
+    else:
+        channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "off": win.off, "bias": win.bias}
+    consts = [ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=dt) for k, v in channel.items()]
     bufs = {c.name: c.placeholder() for c in consts}
     # What the op's stage functions record, in order: checked against op.ranges() below.
     # Recorded rows take the op's proven bounds (L1's Σ|N·x − S| then sums in int32).
@@ -106,9 +106,10 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     x = te.placeholder((rows, n), fmt_dtype(cfg.in_fmt), name="x")
 
     # 1. statistic: the op's own code on symbolic rows, then ε
-    s, num = op._statistic(Rows.of_tensor(x, Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)), trace)
+    s, s1 = op._statistic(Rows.of_tensor(x, Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)), trace)
     w = add_eps(s, cfg, trace)
     stat = te.compute((rows,), lambda r: w.at(r, 0), name="stat")
+    total = None if s1 is None else te.compute((rows,), lambda r: s1.at(r, 0), name="total")
 
     # 2. per row: W = M 2^(p e), then the inverse of M
     def split(r: Any) -> tuple[Any, Any]:
@@ -116,33 +117,37 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
 
     exp = staged_compute((rows,), lambda r: split(r)[0], "exp")
     mant = staged_compute((rows,), lambda r: split(r)[1], "mant")
-    parts = op._inverse(load64(mant, 0), trace)  # its arity (and its trace name, in order)
-    if isinstance(parts, tuple):  # one stage per component (ShiftLayerNorm: value, hi, lo, sign)
-        stages = [
-            staged_compute(
-                (rows,), _component(lambda r: op._inverse(load64(mant, r), None), i), f"inv{i}"
-            )
-            for i in range(len(parts))
-        ]
+    op._inverse(load64(mant, 0), trace)  # its trace name, in order
+    inv = staged_compute((rows,), lambda r: op._inverse(load64(mant, r), None), "inv")
 
-        def inv_of(r: Any) -> Any:
-            return tuple(load64(t, r) for t in stages)
+    # 3. per row: multiplier, offset, shift (int64); per element: x·a − c and z in the lanes
+    def affine(r: Any, tr: Any = None) -> tuple[Any, Any, Any]:
+        t1 = 0 if total is None else load64(total, r)
+        a, c, k = row_affine(t1, load64(inv, r), load64(exp, r), cfg, op._mult_shift, tr)
+        # half up: (xa + 2^(K-1)) >> K = (x·a − (c − 2^(K-1))) >> K, the half in the row's offset
+        return a, (c - ((1 << k) >> 1) if half_up else c), k
 
-    else:
-        inv = staged_compute((rows,), lambda r: op._inverse(load64(mant, r), None), "inv")
+    affine(0, trace)  # the trace names mult, offset, z_shift in order
+    mult = staged_compute((rows,), lambda r: affine(r)[0], "mult")
+    offset = staged_compute((rows,), lambda r: affine(r)[1], "offset") if total is not None or half_up else None
+    zshift = staged_compute((rows,), lambda r: affine(r)[2], "zshift")
 
-        def inv_of(r: Any) -> Any:
-            return product_operand(load64(inv, r), rep[op.inverse_name])
-
-    # 3. + 4. per element: NormOp._forward from the numerator on, then _output
     def element(r: Any, c: Any) -> Any:
-        u = shift_numerator(num.at(r, c).astype("int64"), load64(exp, r), cfg, trace)
-        u = product_operand(u, rep["num_scaled"])
-        prod = record(trace, "prod", op._product(u, inv_of(r), trace))
-        z = record(trace, "z", rshift_round(prod, cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding))
-        scaled = record(trace, "scaled", scale(scale_operand(z, rep["z"]), c, bufs))
-        acc = record(trace, "acc", scaled + load64(bufs["bias"], c))
-        y = record(trace, "y", rshift_round(acc, cfg.shift, cfg.rounding))
+        # x·a − c modulo 2^lanes (see the module docstring), then the op's own shift
+        xa = x[r, c].astype(dt).astype(udt) * mult[r].astype(udt)
+        if offset is not None:
+            xa = xa - offset[r].astype(udt)
+        xa = record(trace, "xa", xa.astype(dt))
+        k = zshift[r].astype(dt)
+        z = record(trace, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
+        if half_up:
+            acc = _half_up_output(z, c, bufs, dt, scale, trace)
+        else:  # mirror of NormOp._output: clamp window, recentre, scale, bias
+            zc = clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)) - load_as(bufs["off"], dt, c)
+            zc = record(trace, "zc", zc)
+            scaled = record(trace, "scaled", scale(zc, c, bufs, dt))
+            acc = record(trace, "acc", scaled + load_as(bufs["bias"], dt, c))
+        y = record(trace, "y", acc >> cfg.shift if half_up else rshift_round(acc, cfg.shift, cfg.rounding))
         out = record(trace, "out", saturate(y, cfg.out_fmt.bits, cfg.out_fmt.signed))
         return out.astype(fmt_dtype(cfg.out_fmt))
 
@@ -163,6 +168,22 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     )
 
 
-def _component(f: Callable[[Any], tuple[Any, ...]], i: int) -> Callable[[Any], Any]:
-    """Component ``i`` of a per-row stage function returning a tuple."""
-    return lambda r: f(r)[i]
+def _half_up_output(z: Any, c: Any, bufs: dict[str, te.Tensor], dt: str, scale: Callable[..., Any], trace: Any) -> Any:
+    """``acc + 2^(s-1)`` of ``NormOp._output`` for the half-up rule, in fewer steps.
+
+    ``(clamp(z) − o)·m + b + 2^(s-1) = clamp(z)·m + (b − o·m + 2^(s-1))``: the
+    recentring and the rounding half fold into one per-channel bias, and the
+    product and sum run modulo 2^lanes (unsigned): clamp(z)·m alone may leave the
+    lanes where β is large, but the sum is the op's proven acc plus the half, which
+    fits, so the wrap is exact.  Recorded under the op's names zc, scaled, acc.
+    """
+    udt = "u" + dt
+    zc = record(trace, "zc", clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)))
+    scaled = record(trace, "scaled", scale(zc.astype(udt), c, bufs, udt))
+    return record(trace, "acc", (scaled + load_as(bufs["bias"], dt, c).astype(udt)).astype(dt))
+
+
+def _wrap(values: np.ndarray, lanes: int) -> np.ndarray:
+    """Python ints modulo 2^lanes, as two's-complement lane values (int64)."""
+    m = 1 << lanes
+    return np.array([((int(v) + (m >> 1)) % m) - (m >> 1) for v in values], dtype=np.int64)
