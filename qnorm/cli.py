@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from qnorm.extras import hint_for
+
 
 def _demo(args: argparse.Namespace) -> int:
     from qnorm.demo import DeployMismatchError, run_demo, run_deploy_demo
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--elements", type=int, help="input elements per case (default 10^5)")
     verify.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
-    verify.add_argument("--golden-dir", help="golden store directory (default: tests/golden)")
+    verify.add_argument("--golden-dir", help="golden store directory (default: qnorm/data/golden)")
     verify.set_defaults(func=_verify)
 
     compile_ = sub.add_parser(
@@ -169,13 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory for model.so and model.json")
     compile_.set_defaults(func=_compile)
 
-    golden = sub.add_parser("golden", help="check tests/golden against the golden model, or --regenerate it")
+    golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")
     golden.add_argument(
         "--regenerate", action="store_true",
         help="rewrite the stored vectors and manifest from the current golden model (deliberate)",
     )  # fmt: skip
     golden.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
-    golden.add_argument("--dir", help="golden store directory (default: tests/golden)")
+    golden.add_argument("--dir", help="golden store directory (default: qnorm/data/golden)")
     golden.set_defaults(func=_golden)
     return parser
 
@@ -186,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as err:  # bad input / refused config: a clear message, no traceback
         print(f"qnorm: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional dependency: name the extra that installs it
+        hint = hint_for(err)
+        if hint is None:
+            raise
+        print(f"qnorm: error: {hint}", file=sys.stderr)
         return 2
 
 
