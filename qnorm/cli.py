@@ -102,6 +102,19 @@ def _compile_hls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``qnorm export CHECKPOINT --format qonnx -o FILE``: the logic is in qnorm.export.qonnx."""
+    try:
+        from qnorm.export.qonnx import describe, export_checkpoint
+    except ModuleNotFoundError as err:
+        print(f"qnorm export: QONNX export needs the qonnx extra (pip install -e '.[qonnx]'): {err}", file=sys.stderr)
+        return 2
+    proto, meta = export_checkpoint(args.checkpoint, args.out, args.batch)
+    print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
+    print(f"  wrote {args.out}: {describe(proto)}")
+    return 0
+
+
 def _golden(args: argparse.Namespace) -> int:
     from qnorm.verify import select_cases
     from qnorm.verify.golden_store import DEFAULT_DIR, check, regenerate
@@ -170,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory for model.so and model.json")
     compile_.set_defaults(func=_compile)
+
+    export = sub.add_parser(
+        "export",
+        help="export a trained checkpoint to QONNX (Brevitas layers as Quant, BN thresholds as MultiThreshold, "
+             "qnorm norms as qnorm.custom_op nodes)",
+    )  # fmt: skip
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory written by qnorm train")
+    export.add_argument("--format", choices=["qonnx"], default="qonnx", help="output format (default: qonnx)")
+    export.add_argument("-o", "--out", metavar="FILE", required=True, help="the .onnx file to write")
+    export.add_argument("--batch", type=int, default=1, help="the graph's static batch size (default 1)")
+    export.set_defaults(func=_export)
 
     golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")
     golden.add_argument(
