@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The Debian packages the targets/*.toml build and run with (cross gcc, qemu-user,
-# PoCL): installed only when one is missing, so a ready machine pays one dpkg query.
+# The Debian packages the targets (qnorm/data/targets/*.toml) build and run with (cross
+# gcc, qemu-user, PoCL): installed only when one is missing, so a ready machine pays one
+# dpkg query.
 # `make test` needs them; QNORM_SKIP_TOOLCHAINS=1 skips the install instead (on a
 # machine without root), and those targets' tests then skip with the reason.
 toolchains: $(STAMP)

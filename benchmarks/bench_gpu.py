@@ -2,7 +2,7 @@
 
 Runs on the GPU machine with its own python3: standard library only, plus torch
 when it is installed with CUDA (the baseline).  Inputs: the bundle's
-``manifest.json`` and the output of scripts/gpu_harness.cu for the verify plans
+``manifest.json`` and the output of compilers/tvm/harness/gpu_harness.cu for the verify plans
 and the benchmark plans (``ok LABEL ELEMENTS [time_us MEDIAN MIN]`` /
 ``FAIL LABEL REASON`` lines).  Writes ``gpu_verify.md``, ``gpu_bench.md`` and
 ``gpu_results.json`` into ``--out``.

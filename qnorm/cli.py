@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from qnorm.extras import hint_for
+
 
 def _demo(args: argparse.Namespace) -> int:
     from qnorm.demo import DeployMismatchError, run_demo, run_deploy_demo
@@ -100,6 +102,19 @@ def _compile_hls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``qnorm export CHECKPOINT --format qonnx -o FILE``: the logic is in qnorm.export.qonnx."""
+    try:
+        from qnorm.export.qonnx import describe, export_checkpoint
+    except ModuleNotFoundError as err:
+        print(f"qnorm export: QONNX export needs the qonnx extra (pip install -e '.[qonnx]'): {err}", file=sys.stderr)
+        return 2
+    proto, meta = export_checkpoint(args.checkpoint, args.out, args.batch)
+    print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
+    print(f"  wrote {args.out}: {describe(proto)}")
+    return 0
+
+
 def _golden(args: argparse.Namespace) -> int:
     from qnorm.verify import select_cases
     from qnorm.verify.golden_store import DEFAULT_DIR, check, regenerate
@@ -148,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--elements", type=int, help="input elements per case (default 10^5)")
     verify.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
-    verify.add_argument("--golden-dir", help="golden store directory (default: tests/golden)")
+    verify.add_argument("--golden-dir", help="golden store directory (default: qnorm/data/golden)")
     verify.set_defaults(func=_verify)
 
     compile_ = sub.add_parser(
@@ -169,13 +184,24 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory for model.so and model.json")
     compile_.set_defaults(func=_compile)
 
-    golden = sub.add_parser("golden", help="check tests/golden against the golden model, or --regenerate it")
+    export = sub.add_parser(
+        "export",
+        help="export a trained checkpoint to QONNX (Brevitas layers as Quant, BN thresholds as MultiThreshold, "
+             "qnorm norms as qnorm.custom_op nodes)",
+    )  # fmt: skip
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory written by qnorm train")
+    export.add_argument("--format", choices=["qonnx"], default="qonnx", help="output format (default: qonnx)")
+    export.add_argument("-o", "--out", metavar="FILE", required=True, help="the .onnx file to write")
+    export.add_argument("--batch", type=int, default=1, help="the graph's static batch size (default 1)")
+    export.set_defaults(func=_export)
+
+    golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")
     golden.add_argument(
         "--regenerate", action="store_true",
         help="rewrite the stored vectors and manifest from the current golden model (deliberate)",
     )  # fmt: skip
     golden.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
-    golden.add_argument("--dir", help="golden store directory (default: tests/golden)")
+    golden.add_argument("--dir", help="golden store directory (default: qnorm/data/golden)")
     golden.set_defaults(func=_golden)
     return parser
 
@@ -186,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as err:  # bad input / refused config: a clear message, no traceback
         print(f"qnorm: error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:  # an optional dependency: name the extra that installs it
+        hint = hint_for(err)
+        if hint is None:
+            raise
+        print(f"qnorm: error: {hint}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,4 @@
-"""Target descriptions: one TOML file per target in ``targets/``, validated here.
+"""Target descriptions: one TOML file per target in ``qnorm/data/targets/``, validated here.
 
 A target says three things: what TVM should generate (the ``[tvm]`` table, passed
 to ``tvm.target.Target`` as a dict), what the hardware can do exactly (``[hardware]``:
@@ -26,7 +26,9 @@ from typing import Any
 
 import tomllib
 
-TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
+from qnorm.data import data_dir
+
+TARGETS_DIR = data_dir("targets")  # package data: found the same way installed or in a checkout
 
 HOST = "host"  # placeholder resolved from the build machine's CPU at load time
 

@@ -1,10 +1,10 @@
 """Prepare the GPU check (scripts/gpu_check.sh prepare): everything that needs TVM, done here.
 
 Writes a bundle directory (default ``out/gpu_bundle``, ignored by git) that a GPU
-machine without TVM or this repo's venv runs with nvcc and scripts/gpu_harness.cu:
+machine without TVM or this repo's venv runs with nvcc and compilers/tvm/harness/gpu_harness.cu:
 
 * ``cases/<case>/`` — per verify case: TVM's CUDA source (``kernel.cu``), nvcc's
-  PTX and cubin for every architecture of targets/cuda.toml, and ``verify.plan``:
+  PTX and cubin for every architecture of qnorm/data/targets/cuda.toml, and ``verify.plan``:
   the stored golden vectors and this run's edge, exhaustive and random vectors
   (as ``qnorm verify`` runs them) with the golden outputs, compared element by
   element on the GPU;

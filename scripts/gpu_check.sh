@@ -14,7 +14,7 @@
 #      too, so a harness that does not build fails here.
 #
 #   2. On the GPU machine:        scripts/gpu_check.sh run [BUNDLE]
-#      builds scripts/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
+#      builds compilers/tvm/harness/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
 #      built here for the GPU's architecture, else the PTX, JIT-compiled), compares
 #      every output element with the golden output, times the benchmark kernels, and
 #      times torch.nn.functional.layer_norm / rms_norm on float16 and float32 rows of
@@ -40,7 +40,7 @@ prepare() {
   "$py" "$repo/scripts/gpu_bundle.py" --out "$bundle"
   local tmp
   tmp="$(mktemp -d)"
-  nvcc -O2 -std=c++17 "$repo/scripts/gpu_harness.cu" -o "$tmp/gpu_harness"
+  nvcc -O2 -std=c++17 "$repo/compilers/tvm/harness/gpu_harness.cu" -o "$tmp/gpu_harness"
   rm -rf "$tmp"
   echo "prepared $bundle; on the GPU machine: scripts/gpu_check.sh run" >&2
 }
@@ -54,7 +54,7 @@ run() {
     || { echo "nvidia-smi lists no GPU" >&2; exit 2; }
   mkdir -p "$out"
   local harness="$out/gpu_harness"
-  nvcc -O2 -std=c++17 "$repo/scripts/gpu_harness.cu" -o "$harness"
+  nvcc -O2 -std=c++17 "$repo/compilers/tvm/harness/gpu_harness.cu" -o "$harness"
   echo "GPU: $device; harness built in $((SECONDS - start)) s" | tee "$out/gpu_check.log"
   "$harness" "$bundle"/cases/*/verify.plan >"$out/gpu_verify.log" 2>>"$out/gpu_check.log" || status=$?
   echo "verify plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"

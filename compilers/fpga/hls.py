@@ -173,7 +173,7 @@ def write_hls_project(
     expected outputs); default :func:`default_inputs`.  ``rows``: rows per
     ``qnorm_top`` call.  ``steps``: time steps the ports hold, for a spiking
     neuron (default: the op's analysis horizon).  ``target``: default
-    ``targets/fpga-hls.toml``, whose widths the op must fit
+    ``qnorm/data/targets/fpga-hls.toml``, whose widths the op must fit
     (:class:`qnorm.analysis.TargetLimitError` otherwise).
     """
     out = Path(out_dir)

@@ -6,3 +6,7 @@ every op (``kernels``), schedules per kind of target (``schedules``, ``cpu``,
 Importing these modules imports tvm (seconds); ``import qnorm`` never does.  No
 names are re-exported here: ``build`` the function would shadow ``build`` the module.
 """
+
+from qnorm.extras import require as _require
+
+_require("tvm")  # before any submodule's `import tvm`: say which extra installs it

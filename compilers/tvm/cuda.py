@@ -1,6 +1,6 @@
 """The GPU-scheduled kernels as CUDA: TVM's CUDA source, nvcc's PTX and cubins, a plain runner.
 
-* :func:`cuda_kernel` lowers ``kernel_for(op, GPU)`` for ``targets/cuda.toml``
+* :func:`cuda_kernel` lowers ``kernel_for(op, GPU)`` for ``qnorm/data/targets/cuda.toml``
   (TVM's own build steps, see :func:`compilers.tvm.gpu.lower`) and compiles the
   source with nvcc to PTX and to a cubin for every architecture the target
   lists (``run.compile_args``: ``-arch=sm_80``, ``-arch=sm_90``).  Results are
@@ -8,7 +8,7 @@
   :class:`NvccError` with the command line and nvcc's message.
 * The launch geometry (grid and block of every kernel function, in launch
   order, as expressions of ``rows``/``steps``) comes with the source, so
-  something other than TVM can launch it: ``scripts/gpu_harness.cu``, a small
+  something other than TVM can launch it: ``compilers/tvm/harness/gpu_harness.cu``, a small
   CUDA runtime program that reads a *plan* (module, buffers as binary files,
   launches, expected outputs) and needs no TVM.  :class:`PlanWriter` writes
   plans; :func:`gpu_runner` runs a kernel through the harness on this
@@ -48,7 +48,7 @@ TARGET = "cuda"
 NVCC = "nvcc"
 OUTPUTS = ("ptx", "cubin")  # what nvcc makes of the source, for every architecture
 HARNESS_FLAGS = ("-O2", "-std=c++17")
-HARNESS_SOURCE = Path(__file__).resolve().parents[2] / "scripts" / "gpu_harness.cu"
+HARNESS_SOURCE = Path(__file__).resolve().parent / "harness" / "gpu_harness.cu"  # package data
 _KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
 _ARCH = re.compile(r"^-arch=(sm_\d+a?)$")
 
@@ -261,7 +261,7 @@ def kernel_arrays(kernel: Kernel, device: DeviceModule, x: np.ndarray) -> dict[s
 
 
 class PlanWriter:
-    """Writes plans for scripts/gpu_harness.cu into one directory, each data file once.
+    """Writes plans for compilers/tvm/harness/gpu_harness.cu into one directory, each data file once.
 
     A plan's ``module`` line names a stem and the architectures built for it;
     the harness loads ``{stem}.sm_XY.cubin`` for its GPU, or the newest older
@@ -346,7 +346,7 @@ def crc32(a: np.ndarray) -> int:
 
 
 def build_harness(directory: Path | None = None) -> Path:
-    """scripts/gpu_harness.cu built by nvcc (into ``directory``, default the cache, by source hash)."""
+    """compilers/tvm/harness/gpu_harness.cu built by nvcc (into ``directory``, default the cache, by source hash)."""
     source = HARNESS_SOURCE.read_bytes()
     key = hashlib.sha256(source + nvcc_version().encode()).hexdigest()[:16]
     exe = (directory or cuda_cache_dir()) / f"gpu_harness-{key}"

@@ -32,6 +32,7 @@ formats, versions, the library's SHA-256, the source checkpoint);
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import math
@@ -70,7 +71,6 @@ _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the
 _SOURCE_PACKAGES = ("qnorm", "compilers")
 # Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
 _HASHED_CODE = ("qnorm.", "compilers.", "torch.", "brevitas.")
-_REPO = Path(__file__).resolve().parents[2]
 
 
 def compile_target(target: str | Target) -> Target:
@@ -410,11 +410,17 @@ def model_key(model: nn.Module, example: torch.Tensor, target: Target) -> str | 
 
 
 def source_digest() -> str:
-    """SHA-256 over the Python source of the qnorm and compilers packages."""
+    """SHA-256 over the Python source of the qnorm and compilers packages.
+
+    Each package's directory comes from the imported package itself, so an installed
+    qnorm hashes its installed files (the same digest as the checkout they came from).
+    """
     digest = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
-        for path in sorted((_REPO / package).rglob("*.py")):
-            digest.update(str(path.relative_to(_REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+        root = Path(importlib.import_module(package).__file__).resolve().parent
+        for path in sorted(root.rglob("*.py")):
+            name = f"{package}/{path.relative_to(root)}"
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

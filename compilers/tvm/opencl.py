@@ -17,7 +17,6 @@ so inputs are validated and laid out exactly as for the CPU kernels.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from compilers.tvm.build import tvm_target
 from compilers.tvm.gpu import GPU, DeviceModule, Launch, Param, lower
 from compilers.tvm.kernels import CompiledKernel, Kernel, kernel_for
+from qnorm.extras import missing
 from qnorm.targets import Target, load_target
 
 TARGET = "opencl"
@@ -38,8 +38,8 @@ def opencl_target() -> Target:
 
 def unavailable() -> str | None:
     """None if PoCL can run kernels here, else what is missing."""
-    if importlib.util.find_spec("pyopencl") is None:
-        return "pyopencl is not installed (pip install pyopencl)"
+    if (reason := missing("pyopencl")) is not None:
+        return reason
     name = opencl_target().run.platform
     try:
         _device(name)

@@ -74,6 +74,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from qnorm.extras import install_hint
 from qnorm.fixedpoint import Round
 from qnorm.ops.base import IntOp
 from qnorm.ops.bnfold import RationalBN, check_bn_stats, real_params
@@ -176,7 +177,7 @@ def _brevitas_int_quant_tensor() -> type:
     try:
         from brevitas.quant_tensor import IntQuantTensor
     except ImportError as err:  # brevitas is an optional dependency
-        raise ValueError("IntQuantTensor input/output needs brevitas (pip install brevitas)") from err
+        raise ValueError(f"IntQuantTensor input/output needs brevitas: {install_hint('brevitas')}") from err
     return IntQuantTensor
 
 

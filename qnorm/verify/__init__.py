@@ -2,7 +2,7 @@
 
 * :mod:`.cases` — the op × config catalogue (``CASES``).
 * :mod:`.vectors` — edge-case, exhaustive and seeded random input vectors.
-* :mod:`.golden_store` — tests/golden: stored vectors, sha256 manifest, regeneration.
+* :mod:`.golden_store` — qnorm/data/golden: stored vectors, sha256 manifest, regeneration.
 * :mod:`.backends` — the backend registry (golden, qat, x86_64, and any registered).
 * :mod:`.harness` — running, comparing (equality only) and the op × backend matrix.
 """

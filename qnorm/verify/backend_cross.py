@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from typing import Any
 
+from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
     Backend,
@@ -34,9 +34,7 @@ def _cross() -> Any:
 
 
 def _unavailable(name: str) -> str | None:
-    if importlib.util.find_spec("tvm") is None:
-        return "unavailable: apache-tvm is not installed"
-    return _cross().missing_tools(column_target(name))
+    return missing("tvm") or _cross().missing_tools(column_target(name))
 
 
 def _prepare(name: str, op: IntOp) -> Runner:

@@ -4,9 +4,9 @@
   through pyopencl (:mod:`compilers.tvm.opencl`): blocks, barriers and
   cross-thread reductions executed for real, on this machine's CPU.
 * ``cuda`` — the same schedule as TVM CUDA source, compiled by nvcc to PTX and
-  a cubin for every architecture of ``targets/cuda.toml``
+  a cubin for every architecture of ``qnorm/data/targets/cuda.toml``
   (:mod:`compilers.tvm.cuda`).  With a CUDA GPU present (``nvidia-smi`` lists
-  one) every batch runs on it through scripts/gpu_harness.cu, a plain CUDA
+  one) every batch runs on it through compilers/tvm/harness/gpu_harness.cu, a plain CUDA
   runtime program (TVM has no CUDA runtime here).  Without one the cell is
   ``compiled``: built, not run, never a pass.
 
@@ -18,9 +18,9 @@ columns without importing tvm.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import Any
 
+from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
     Backend,
@@ -37,12 +37,6 @@ def _module(name: str) -> Any:
     return importlib.import_module(f"compilers.tvm.{name}")
 
 
-def _no_tvm() -> str | None:
-    if importlib.util.find_spec("tvm") is None:
-        return "unavailable: apache-tvm is not installed"
-    return None
-
-
 def _kernel_or_skip(build: Any, op: IntOp) -> Any:
     try:
         return build(op)
@@ -54,7 +48,7 @@ def _kernel_or_skip(build: Any, op: IntOp) -> Any:
 
 
 def _opencl_unavailable() -> str | None:
-    return _no_tvm() or _module("opencl").unavailable()
+    return missing("tvm") or _module("opencl").unavailable()
 
 
 def _opencl_prepare(op: IntOp) -> Runner:
@@ -68,7 +62,7 @@ def _opencl_prepare(op: IntOp) -> Runner:
 
 
 def _cuda_unavailable() -> str | None:
-    return _no_tvm() or _module("cuda").nvcc_unavailable()
+    return missing("tvm") or _module("cuda").nvcc_unavailable()
 
 
 def _cuda_prepare(op: IntOp) -> Runner:
@@ -82,7 +76,7 @@ def _cuda_prepare(op: IntOp) -> Runner:
         raise NotRun(f"{built}; not run: no CUDA GPU on this machine")
     runner = cuda.gpu_runner(compiled)
     return Runner(
-        runner, f"TVM cuda kernel (GPU schedule), {built}, run on {arch} via scripts/gpu_harness.cu"
+        runner, f"TVM cuda kernel (GPU schedule), {built}, run on {arch} via compilers/tvm/harness/gpu_harness.cu"
     )
 
 

@@ -1,6 +1,6 @@
 """``qnorm verify`` column fpga-hls: the HLS project of each op, run in C simulation.
 
-Per op: the target limits of ``targets/fpga-hls.toml`` first
+Per op: the target limits of ``qnorm/data/targets/fpga-hls.toml`` first
 (:func:`qnorm.verify.backends.refuse_beyond_limits`); a config they refuse is
 reported as ``refused`` with the reason, which names the intermediate, its
 bits and the limit.  Refusing is the contract, not a defect, so it is not a
@@ -17,12 +17,12 @@ Importing this module registers the column without importing tvm.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import tempfile
 from typing import Any
 
 import numpy as np
 
+from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
     Backend,
@@ -41,9 +41,7 @@ def _module(name: str) -> Any:
 
 
 def _unavailable() -> str | None:
-    if importlib.util.find_spec("tvm") is None:
-        return "unavailable: apache-tvm is not installed"
-    return _module("csim").compiler_unavailable(column_target(NAME))
+    return missing("tvm") or _module("csim").compiler_unavailable(column_target(NAME))
 
 
 def _prepare(op: IntOp) -> Runner:

@@ -12,7 +12,7 @@ Built in:
 
 * ``golden`` — the numpy golden model itself (``op.forward``).  It computes the
   expected outputs of every other column, so its own column checks the stored
-  golden vectors only: the regression check of tests/golden.
+  golden vectors only: the regression check of qnorm/data/golden.
 * ``qat`` — the PyTorch QAT path: the :mod:`qnorm.nn` layer of the op's family
   (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm, BNQuantAct and its fold
   MultiThresholdAct, MPBNLIF and its fold FoldedMPBNLIF), built from the op's
@@ -44,6 +44,7 @@ import torch
 
 from qnorm import nn as qnn
 from qnorm.analysis import TargetLimitError, check_target
+from qnorm.extras import missing
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.base import IntOp
@@ -302,8 +303,8 @@ _KERNELS = "compilers.tvm.kernels"
 def _x86_unavailable() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"host is {platform.machine()}, not x86-64"
-    if importlib.util.find_spec("tvm") is None:
-        return "unavailable: apache-tvm is not installed"
+    if (reason := missing("tvm")) is not None:
+        return reason
     try:
         present = importlib.util.find_spec(_KERNELS) is not None
     except ModuleNotFoundError:  # a parent package is missing

@@ -1,4 +1,4 @@
-"""tests/golden: stored inputs and outputs of every case, guarded by a sha256 manifest.
+"""qnorm/data/golden: stored inputs and outputs of every case, guarded by a sha256 manifest.
 
 Layout: ``<dir>/<case>.npz`` holds ``x`` (op-layout inputs) and ``y`` (the golden
 outputs when they were generated), both in the narrowest integer dtype; and
@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from qnorm.data import data_dir
 from qnorm.verify.cases import CASES, Case
 from qnorm.verify.vectors import golden_inputs
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "tests" / "golden"
+DEFAULT_DIR = data_dir("golden")  # package data, so an installed qnorm verifies against it too
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no build time in the bytes
 _KEYS = ("x", "y")
 

@@ -39,7 +39,7 @@ LEGEND = (
         "one neuron's T-step series)."
     ),
     (
-        "golden: the stored vectors of tests/golden reproduced by the current golden model; other columns: "
+        "golden: the stored vectors of qnorm/data/golden reproduced by the current golden model; other columns: "
         "those and this run's edge, exhaustive and random vectors, against the golden outputs."
     ),
     "err: the golden outputs against the float op, in output LSB.",
@@ -52,7 +52,7 @@ LEGEND = (
 def resolve_columns(targets: list[str] | None) -> list[str]:
     """golden, qat, then the chosen targets (default: every known target and other backend).
 
-    A name must be a known target (``targets/*.toml``) or a registered backend.
+    A name must be a known target (``qnorm/data/targets/*.toml``) or a registered backend.
     """
     known = known_targets()
     extra = [n for n in backends.registered() if n not in ALWAYS and n not in known]

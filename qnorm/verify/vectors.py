@@ -28,7 +28,7 @@ from qnorm.verify.cases import CHANNELS, ROWS, TIME, Case
 DEFAULT_ELEMENTS = 10**5  # input elements per case in a default run (CI)
 FULL_ELEMENTS = 10**7  # ``qnorm verify --full``
 CHUNK_ELEMENTS = 1 << 18  # random inputs are made and checked in chunks of this size
-GOLDEN_RANDOM_ELEMENTS = 8192  # random input elements stored per case in tests/golden
+GOLDEN_RANDOM_ELEMENTS = 8192  # random input elements stored per case in qnorm/data/golden
 EXHAUSTIVE_LIMIT = 1 << 16  # most rows of a complete norm domain run by default
 _GOLDEN_STREAM = 0x901D  # rng stream of the stored random sample (apart from run seeds)
 
@@ -98,7 +98,7 @@ def edge_vectors(case: Case, complete: bool) -> np.ndarray:
 
     ``complete`` (the streamed run): every constant value and outliers from
     every pair of notable values; otherwise the compact set stored in
-    tests/golden.  Fixed values outside a narrow format are clipped into it.
+    qnorm/data/golden.  Fixed values outside a narrow format are clipped into it.
     """
     f, w = case.in_fmt, case.width
     vals = _values(case)
@@ -205,7 +205,7 @@ def run_batches(case: Case, elements: int, seed: int) -> Iterator[Batch]:
 
 
 def golden_inputs(case: Case) -> np.ndarray:
-    """What tests/golden stores for a case: the compact edge set and a small random sample."""
+    """What qnorm/data/golden stores for a case: the compact edge set and a small random sample."""
     edge = arrange(case, edge_vectors(case, complete=False))
     rng = np.random.default_rng([_GOLDEN_STREAM, case.seed])
     sample = random_inputs(case, rng, max(1, GOLDEN_RANDOM_ELEMENTS // vector_elements(case)))

@@ -1,6 +1,6 @@
 // qnorm GPU harness: runs TVM-generated CUDA kernels from plan files, without TVM.
 //
-// Build: nvcc -O2 -std=c++17 scripts/gpu_harness.cu -o gpu_harness
+// Build: nvcc -O2 -std=c++17 compilers/tvm/harness/gpu_harness.cu -o gpu_harness
 // Usage: gpu_harness PLAN...   (exit 0: every run ok; 1: a run differs; 2: a plan could not run)
 //
 // A plan (written by compilers/tvm/cuda.py:write_plan) is text, one directive per
