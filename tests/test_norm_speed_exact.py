@@ -71,16 +71,14 @@ def ref_mantissa_range(e, seg, cfg):
     return seg.rshift(cfg.p * e, Round.FLOOR) if e > 0 else seg * (1 << (-cfg.p * e))
 
 
-def ref_shift_product_bound(op_cls, cfg, stat, segs, by_exp, rep):
-    prod = part = 0
+def ref_shift_product_bound(op_cls, cfg, stat, segs, by_exp):
+    prod = 0
     h = cfg.num_shift
     for e, u_iv in by_exp.items():
         ratio, u_cap = ref_ratio_on(stat, segs[e]) * (1 << (2 * h)), max(-u_iv.lo, u_iv.hi)
         for cand, seg in op_cls._segments(cfg, ref_mantissa_range(e, segs[e], cfg)):
             u = min(u_cap, core.floor_root(ratio * (seg.hi + (e > 0)), 2) + (e > h))
-            prod, part = max(prod, u * cand.value), max(part, u << cand.hi)
-    if rep is not None:
-        rep.add("prod_hi", Interval(-part, part))
+            prod = max(prod, u * cand.value)
     return prod
 
 
@@ -91,25 +89,93 @@ def ref_inverse_range(op_cls, cfg, m_iv):
     return op_cls._inverse_range(cfg, m_iv)
 
 
-def ref_normalized(op_cls, cfg, stat, segs, inv, rep):
+def ref_products(op_cls, cfg, stat, segs, inv):
+    """Per exponent: (max |num r| as a Fraction, max |u r|), from the rational bounds."""
     by_exp = ref_numerator_by_exponent(cfg, stat, segs)
-    u = Interval(min(v.lo for v in by_exp.values()), max(v.hi for v in by_exp.values()))
+    out = {}
+    for e, u in by_exp.items():
+        if op_cls is ShiftLayerNorm:
+            pb = ref_shift_product_bound(op_cls, cfg, stat, {e: segs[e]}, {e: u})
+        else:
+            pb = ref_product_bound(cfg, stat, {e: segs[e]}, {e: u}, inv.hi)
+        pb += inv.hi if e > cfg.num_shift else 0
+        out[e] = (pb * Fraction(2) ** (e - cfg.num_shift), pb)
+    return out
+
+
+def ref_shifts(cfg, e, j):
+    k0 = e + cfg.inv_frac_bits - cfg.frac_bits - cfg.num_shift
+    jr = min(max(k0, 0), j)
+    up = max(jr - k0, 0)
+    return jr, up, k0 - jr + up
+
+
+def ref_span(cfg):
+    lo, hi = cfg.in_fmt.lo, cfg.in_fmt.hi
+    return hi - lo if cfg.centered else max(-lo, hi)
+
+
+def ref_xa(cfg, products, j):
+    best = 0
+    for e, (num_r, _) in products.items():
+        jr, up, _ = ref_shifts(cfg, e, j)
+        best = max(best, math.floor(num_r * 2**up / 2**jr) + (ref_span(cfg) + 1 if jr else 0))
+    return best
+
+
+def ref_row(op_cls, cfg, stat, segs, inv, rep):
+    """mult, offset, z_shift of the narrow-lane definition (per exponent, then hulls)."""
+    products = ref_products(op_cls, cfg, stat, segs, inv)
+    fits = [j for j in range(63) if ref_xa(cfg, products, j) < 2 ** (cfg.lanes - 2)]
+    if not fits:
+        raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+    j = fits[0]
+    shifts = {ref_shifts(cfg, e, j) for e in segs}
+    nr = Interval(inv.lo * cfg.num_mult, inv.hi * cfg.num_mult)
+    a_ends = [(nr.rshift(jr, cfg.rounding), up) for jr, up, _ in shifts]
+    rep.add("mult", Interval(min(a.lo << up for a, up in a_ends), max(a.hi << up for a, up in a_ends)))
+    if cfg.centered:
+        lo, hi = cfg.in_fmt.lo, cfg.in_fmt.hi
+        offs = [Interval(min(lo * a.hi, lo * a.lo) - 1, max(hi * a.hi, hi * a.lo) + 1) * (1 << up) for a, up in a_ends]
+        rep.add("offset", Interval(min(v.lo for v in offs), max(v.hi for v in offs)))
+    ks = [k for *_, k in shifts]
+    rep.add("z_shift", Interval(min(ks), max(ks)))
+    rep.check()
+    return products, j
+
+
+def ref_normalized(cfg, products, j, rep):
     if rep is not None:
-        rep.add("num_scaled", u)
-    if op_cls is ShiftLayerNorm:
-        big = ref_shift_product_bound(op_cls, cfg, stat, segs, by_exp, rep)
-    else:
-        big = ref_product_bound(cfg, stat, segs, by_exp, inv.hi)
-    prod = Interval(-big, big)
-    if rep is not None:
-        rep.add("prod", prod)
-        rep.check()
-    z = prod.rshift(cfg.inv_frac_bits - cfg.frac_bits, cfg.rounding)
+        xa = ref_xa(cfg, products, j)
+        rep.add("xa", Interval(-xa, xa))
+    t = Fraction(0)
+    for e, (_, pb) in products.items():
+        jr, _, k = ref_shifts(cfg, e, j)
+        err = Fraction(ref_span(cfg) + 1, 2**k) if jr else 0
+        t = max(t, Fraction(pb, 2 ** (cfg.inv_frac_bits - cfg.frac_bits)) + err + (1 if k > 0 else 0))
+    z = Interval(-math.floor(t), math.floor(t))
     return z if rep is None else rep.add("z", z)
 
 
+def ref_window(cfg, m, b0, z):
+    """(lo, hi, off, bias) of one channel, in Python ints (NormOp's output window)."""
+    top, bot = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
+    if m == 0:
+        return 0, 0, 0, b0
+    off = -(b0 // m)
+    b = b0 + off * m
+    ends = sorted([Fraction(top - b, m), Fraction(bot - b, m)])
+    wl, wh = math.floor(ends[0]), math.ceil(ends[1])
+    fl, fh = z.lo - off, z.hi - off
+    lo, hi = max(wl, fl), min(wh, fh)
+    if lo > hi:
+        high = (m > 0) == (fl > wh)
+        return 0, 0, 0, top if high else bot
+    return lo + off, hi + off, off, b
+
+
 def ref_ranges(op_cls, cfg) -> RangeReport:
-    """The unsplit analysis, per channel, in rationals (as before the speed-up)."""
+    """The unsplit analysis, per channel, in rationals."""
     rep = RangeReport(op_cls.name)
     stat = core.add_eps_ranges(rep, op_cls._statistic_ranges(cfg, rep), cfg)
     rep.check()
@@ -118,18 +184,24 @@ def ref_ranges(op_cls, cfg) -> RangeReport:
     mants = [ref_mantissa_range(e, seg, cfg) for e, seg in segs.items()]
     m_iv = rep.add("mant", Interval(min(m.lo for m in mants), max(m.hi for m in mants)))
     inv = rep.add(op_cls.inverse_name, ref_inverse_range(op_cls, cfg, m_iv))
-    z = ref_normalized(op_cls, cfg, stat, segs, inv, rep)
+    products, j = ref_row(op_cls, cfg, stat, segs, inv, rep)
+    z = ref_normalized(cfg, products, j, rep)
+    rep.check()
     zs = [z] * cfg.n
     if op_cls is IntRMSNorm and cfg.prefix < cfg.n:
-        inside = ref_normalized(op_cls, cfg, dataclasses.replace(stat, outside=None), segs, inv, None)
-        zs = [inside] * cfg.prefix + [z] * (cfg.n - cfg.prefix)
-    prods = [zc * m for zc, m in zip(zs, cfg.gain)]
+        inner = ref_products(op_cls, cfg, dataclasses.replace(stat, outside=None), segs, inv)
+        zs = [ref_normalized(cfg, inner, j, None)] * cfg.prefix + [z] * (cfg.n - cfg.prefix)
+    wins = [ref_window(cfg, m, b, zc) for m, b, zc in zip(cfg.gain, cfg.bias, zs)]
+    zcs = [Interval(lo - off, hi - off) for lo, hi, off, _ in wins]
+    rep.add("zc", Interval(min(v.lo for v in zcs), max(v.hi for v in zcs)))
+    prods = [zc * m for zc, m in zip(zcs, cfg.gain)]
     rep.add("scaled", Interval(min(v.lo for v in prods), max(v.hi for v in prods)))
-    sums = [v + b for v, b in zip(prods, cfg.bias)]
+    sums = [v + w[3] for v, w in zip(prods, wins)]
     acc = rep.add("acc", Interval(min(v.lo for v in sums), max(v.hi for v in sums)))
     rep.check()
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
     rep.add("out", y.clamp(cfg.out_fmt.lo, cfg.out_fmt.hi))
+    core.check_lanes(rep, cfg)
     return rep
 
 
@@ -316,15 +388,17 @@ def test_integer_per_exponent_bounds_equal_the_rational_ones(seed):
             want = ref_product_bound(cfg, stat, segs, by_exp, r_max)
             assert core.product_bound(cfg, stat, segs, by_exp, r_max) == want
         if by_exp and isinstance(op, ShiftLayerNorm):
-            a, b = RangeReport("a"), RangeReport("b")
-            got = ShiftLayerNorm._product_bound(cfg, stat, segs, by_exp, Interval(1, 2), a)
-            assert got == ref_shift_product_bound(ShiftLayerNorm, cfg, stat, segs, by_exp, b) and a.items == b.items
+            got = ShiftLayerNorm._product_bound(cfg, stat, segs, by_exp, Interval(1, 2))
+            assert got == ref_shift_product_bound(ShiftLayerNorm, cfg, stat, segs, by_exp)
 
 
 def ref_output_ranges(rep, cfg, gain, bias, zs):
-    prods = [zc * int(m) for zc, m in zip(zs, gain)]
+    wins = [ref_window(cfg, int(m), int(b), z) for m, b, z in zip(gain, bias, zs)]
+    zcs = [Interval(lo - off, hi - off) for lo, hi, off, _ in wins]
+    rep.add("zc", Interval(min(v.lo for v in zcs), max(v.hi for v in zcs)))
+    prods = [zc * int(m) for zc, m in zip(zcs, gain)]
     rep.add("scaled", Interval(min(v.lo for v in prods), max(v.hi for v in prods)))
-    sums = [v + int(b) for v, b in zip(prods, bias)]
+    sums = [v + w[3] for v, w in zip(prods, wins)]
     acc = rep.add("acc", Interval(min(v.lo for v in sums), max(v.hi for v in sums)))
     rep.check()
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
@@ -349,7 +423,7 @@ def test_vectorized_output_stage_equals_the_per_channel_hull(seed):
         chans.append((a, b, Interval(lo, lo + int(rng.integers(0, 1 << zbits)))))
     zs = [iv for a, b, iv in chans for _ in range(b - a)]
     got, want = RangeReport("t"), RangeReport("t")
-    g = outcome(lambda: (core.output_ranges(got, cfg, gain, bias, tuple(chans)), got)[1])
+    g = outcome(lambda: (core.output_ranges(got, cfg, gain, core.output_window(cfg, gain, bias, tuple(chans))), got)[1])
     w = outcome(lambda: (ref_output_ranges(want, cfg, gain, bias, zs), want)[1])
     assert g == w
 
