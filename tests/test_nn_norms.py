@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qnorm.analysis import OverflowRiskError
 from qnorm.nn import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm, register_training_kinds
 from qnorm.ops._normcore import DEFAULT_OUT
 from qnorm.qformat import QFormat
@@ -344,6 +345,24 @@ def test_bad_inputs_are_named(kind):
 def test_bad_constructor_arguments_are_named(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("kind", ["int_ln", "shift2", "shift1"])
+def test_a_row_too_long_for_int64_is_refused_at_construction(kind):
+    """N x 2^30 squares summed to N^2 x 2^30: no input of the format could run it."""
+    cls, options = KINDS[kind]
+    with pytest.raises(OverflowRiskError, match="'n_sum_sq' .* needs 64 bits"):
+        cls(65536, in_bits=16, **options)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_configs_are_proven_at_construction(kind):
+    cls, options = KINDS[kind]
+    with pytest.raises(OverflowRiskError, match="'stat' .* needs 1[0-9][0-9] bits"):  # eps / s_in^2 alone
+        cls(16, eps=1e30, in_fmt=QFormat(8, 2.0**-20), **options)
+    with pytest.raises(ValueError, match="input formats of 4 to 16 bits"):
+        cls(16, in_bits=3, **options)
+    cls(65536 if kind in ("l1", "rms", "prms") else 768, in_bits=16, **options)  # what fits is not refused
 
 
 def test_nan_gamma_is_refused_by_name():

@@ -4,6 +4,7 @@ statistics, the exact-forward/surrogate-backward Function, QuantTensor I/O.
 
 import copy
 import json
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qnorm.nn import MPBNLIF, BNQuantAct, InputQuantizer
+from qnorm.nn import MPBNLIF, BNQuantAct, InputQuantizer, IntLayerNorm
 from qnorm.nn._qat import (
     QuantizedInput,
     batch_stats,
@@ -79,6 +80,37 @@ def test_calibration_is_a_running_max_abs_frozen_in_eval():
     unsigned(torch.tensor([-1.0, 3.0]))
     assert unsigned.fmt == QFormat(4, 3.0 / 15, signed=False)
     assert unsigned(torch.tensor([-1.0, 3.0])).ints.tolist() == [0, 15]
+
+
+def test_a_batch_orders_of_magnitude_outside_the_calibrated_range_is_refused():
+    """One x * 1e30 batch would move the scale to ~1e27 x the range: every later output beta."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    layer = IntLayerNorm(16)
+    with torch.no_grad():
+        layer.bias.fill_(0.5)
+    for _ in range(3):
+        layer(x)  # training: calibrates
+    calibrated = layer.input_quant.running_max_abs.clone()
+    with pytest.raises(ValueError, match=r"max \|x\| = .* is 1e\+30 times the calibrated range .*max_jump = 1024"):
+        layer(x * 1e30)
+    assert torch.equal(layer.input_quant.running_max_abs, calibrated)  # untouched
+    for bad, name in ((float("nan"), "NaN"), (float("inf"), "Inf")):
+        poisoned = x.clone()
+        poisoned[3, 4] = bad
+        with pytest.raises(ValueError, match=f"contains {name}"):
+            layer(poisoned)
+    assert torch.equal(layer.input_quant.running_max_abs, calibrated)
+    layer(x * 1000)  # within max_jump: a range that grows is followed
+    grown = 0.9 * float(calibrated) + 0.1 * float((x * 1000).abs().max())
+    assert float(layer.input_quant.running_max_abs) == grown
+    # What the refusal prevents: with the check off, the 1e30 batch leaves only beta.
+    unguarded = IntLayerNorm(16)
+    unguarded.input_quant.max_jump = math.inf
+    with torch.no_grad():
+        unguarded.bias.fill_(0.5)
+    unguarded(x)
+    unguarded(x * 1e30)
+    assert torch.equal(unguarded.eval()(x), torch.full_like(x, 0.5))
 
 
 def test_state_dict_carries_the_calibration():

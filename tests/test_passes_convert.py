@@ -24,6 +24,7 @@ from qnorm.nn import (
 from qnorm.passes import (
     CRMSNorm,
     NormSpec,
+    PermutedNorm,
     QuantActSpec,
     convert,
     fold_thresholds,
@@ -243,3 +244,147 @@ def test_convert_to_qat_rms_norm():
         model[2].bias.fill_(0.25)
     with pytest.raises(ValueError, match="no bias"):
         convert(model, "int_rms")
+
+
+# ---- norms convert() must not swap blindly ------------------------------------------
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """The ConvNeXt / timm channels-first LayerNorm: NCHW -> NHWC, stock forward, back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class RMSNorm2d(nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, -1).contiguous()).transpose(1, -1)
+
+
+class MovedimLN(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.movedim(1, -1), self.normalized_shape, self.weight, self.bias, self.eps).movedim(-1, 1)
+
+
+def conv_then(norm: nn.Module, seed: int) -> nn.Sequential:
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), randomized(norm, seed)).eval()
+    with torch.no_grad():
+        model[1].weight.mul_(0.5)  # keep gamma * normalized inside the +-4 output range
+    return model
+
+
+@pytest.mark.parametrize("hw", [16, 7])  # H = W = C = 16: the blind swap ran, 3.0 off; H = 7: it failed
+@pytest.mark.parametrize("source, kind, cls", [
+    (LayerNorm2d, "int_ln", IntLayerNorm), (RMSNorm2d, "int_rms", IntRMSNorm), (MovedimLN, "int_ln", IntLayerNorm),
+])  # fmt: skip
+def test_channels_first_norm_is_converted_on_its_channel_axis(hw, source, kind, cls):
+    model = conv_then(source(16, eps=1e-4), 6)
+    x = torch.randn(8, 3, hw, hw, generator=torch.Generator().manual_seed(7))
+    out = convert(model, kind, example_input=x)
+    wrapper = out[1]
+    assert type(wrapper) is PermutedNorm and (wrapper.dim, wrapper.ndim) == (1, 4) and type(wrapper.norm) is cls
+    assert torch.equal(wrapper.norm.weight, model[1].weight)
+    out.train()(x)  # calibrate the input scale
+    out.eval()
+    with torch.no_grad():
+        got, h, want_float = out(x), model[0](x), model(x)
+    layer = wrapper.norm
+    fmt, op = layer.input_quant.fmt, layer.golden()
+    ints = fmt.quantize(h.permute(0, 2, 3, 1).numpy())  # the channel axis last: what the golden op normalizes
+    golden = op.forward(ints)
+    assert torch.equal(got, torch.from_numpy(golden * op.out_fmt.scale).float().permute(0, 3, 1, 2))
+    # Against the float model: on the same quantized input (only the op's own error), and on the raw input.
+    with torch.no_grad():
+        same_input = model[1](torch.from_numpy(fmt.dequantize(ints)).float().permute(0, 3, 1, 2))
+    e_op = error_in_lsb(golden, op.out_fmt, same_input.permute(0, 2, 3, 1).double().numpy())
+    e_model = error_in_lsb(golden, op.out_fmt, want_float.permute(0, 2, 3, 1).double().numpy())
+    report(f"{source.__name__} H=W={hw} -> PermutedNorm({cls.__name__}) vs float, same quantized input", vars(e_op))
+    report(f"{source.__name__} H=W={hw} -> PermutedNorm({cls.__name__}) vs the float model", vars(e_model))
+    assert e_op.max_lsb <= 0.51  # the output rounding alone; the wrong axis is ~100 LSB off
+    assert e_model.max_lsb < 3  # plus the int8 input quantization
+
+
+def test_channels_first_norm_without_example_input_is_refused():
+    with pytest.raises(ValueError, match=r"'1' \(LayerNorm2d\) overrides LayerNorm.forward.*example_input"):
+        convert(conv_then(LayerNorm2d(16), 0))
+
+
+class ScaledLN(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class OtherEpsLN(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 1e-3)
+
+
+class TransposedOutLN(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1))  # leaves the output channels-last
+
+
+@pytest.mark.parametrize("source, reason", [
+    (ScaledLN, r"also computes aten.mul.Tensor|computes aten.mul.Tensor"),
+    (OtherEpsLN, r"eps=0.001, the module's eps is 1e-05"),
+    (TransposedOutLN, r"output's axes are the input's \[0, 2, 3, 1\]"),
+])  # fmt: skip
+def test_an_overridden_forward_that_is_not_a_permuted_norm_is_refused_by_name(source, reason):
+    model = nn.Sequential(nn.Identity(), source(16))
+    with pytest.raises(ValueError, match=rf"'1' \({source.__name__}\) overrides LayerNorm.forward: .*({reason})"):
+        convert(model, example_input=torch.randn(2, 16, 4, 16))
+
+
+class FunctionalBlock(nn.Module):
+    def __init__(self, function: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.weight = nn.Parameter(torch.ones(16))
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = F.layer_norm if self.function == "layer_norm" else F.rms_norm
+        return norm(self.fc(x), (16,), self.weight)
+
+
+@pytest.mark.parametrize("function", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("example", [None, torch.randn(2, 5, 16)])  # found in the fx graph / by running it
+def test_a_functional_norm_in_a_custom_module_is_refused_by_name(function, example):
+    model = nn.Sequential(nn.LayerNorm(16), FunctionalBlock(function))
+    with pytest.raises(ValueError, match=rf"'1' \(FunctionalBlock\) calls torch.nn.functional.{function}"):
+        convert(model, example_input=example)
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x) if bool(x.sum() > -1e9) else x  # data-dependent: torch.fx cannot trace it
+
+
+def test_an_untraceable_custom_model_needs_example_input():
+    with pytest.raises(ValueError, match=r"cannot trace Untraceable.*pass example_input="):
+        convert(Untraceable(), "standin_ln")
+    out = convert(Untraceable(), "standin_ln", example_input=torch.randn(2, 16))
+    assert type(out.ln) is StandInLN
+
+
+def test_norms_of_a_transformer_encoder_layer_are_refused():
+    """Its inference fast path computes norm1/norm2 from their weights, bypassing a swapped module."""
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    with pytest.raises(ValueError, match=r"'0.norm1' \(LayerNorm\) belongs to TransformerEncoderLayer"):
+        convert(nn.Sequential(layer))
+
+
+class CountingLN(nn.LayerNorm):
+    """Overrides forward but normalizes the last axis of its input as the stock one does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.contiguous())
+
+
+def test_an_overridden_forward_on_the_last_axis_is_swapped_plainly():
+    out = convert(nn.Sequential(CountingLN(16)), "standin_ln", example_input=torch.randn(2, 3, 16))
+    assert type(out[0]) is StandInLN

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 from qnorm.train import checkpoint as ckpt
 from qnorm.train.data import load_digits_data
+from qnorm.train.json_fields import field_checksums
 from qnorm.train.loop import eval_loader, evaluate, seed_everything, torch_threads, train
 from qnorm.train.models import (
     MPBNLIF,
@@ -317,3 +319,64 @@ def test_checkpoint_shape_mismatch_names_tensors(saved, tmp_path):
         ckpt.load_checkpoint(saved, build_model("snn", channels=(16, 32, 32)))
     with pytest.raises(ValueError, match="does not exist"):
         ckpt.load_checkpoint(tmp_path / "nowhere")
+
+
+def _edit_meta(d, edit):
+    meta = json.loads((d / ckpt.META).read_text())
+    edit(meta)
+    (d / ckpt.META).write_text(json.dumps(meta, indent=2))
+
+
+def _set(key, value):
+    return lambda meta: meta["model"]["config"].__setitem__(key, value)
+
+
+@pytest.fixture(scope="module")
+def saved_mixer(tmp_path_factory):
+    """A small integer-LayerNorm mixer, calibrated: its norms record golden constants."""
+    seed_everything(0)
+    model = build_model("mixer", norm="int_ln", dim=16, depth=1, token_hidden=8, channel_hidden=16)
+    model.train()(torch.randn(64, 8, 8))
+    return ckpt.save_checkpoint(model.eval(), tmp_path_factory.mktemp("ckpt") / "mixer")
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_set("norm", "l1"), r'config.norm = "l1" \(changed\)'),
+    (_set("dim", 16.0), r"config.dim = 16.0 \(changed\)"),  # the same number, another JSON value
+    (_set("heads", 2), r"config.heads = 2 \(added\)"),
+    (lambda meta: meta["model"]["config"].pop("act_range"), r"config.act_range \(removed\)"),
+    (lambda meta: meta["model"].__setitem__("kind", "transformer"), r'kind = "transformer" \(changed\)'),
+])  # fmt: skip
+def test_an_edited_model_spec_is_refused_naming_the_file_and_field(saved_mixer, tmp_path, edit, field):
+    directory = _copy(saved_mixer, tmp_path)
+    ckpt.load_checkpoint(directory)  # the intact copy loads
+    _edit_meta(directory, edit)
+    meta_json = re.escape(str(directory / ckpt.META))
+    with pytest.raises(ValueError, match=rf"the model spec in {meta_json} does not match its checksums.*{field}"):
+        ckpt.load_checkpoint(directory)
+
+
+def test_a_perturbed_golden_constant_is_refused_naming_the_layer_and_field(saved_mixer, tmp_path):
+    directory = _copy(saved_mixer, tmp_path)
+    modules = ckpt.read_metadata(directory)["modules"]
+    norms = [name for name, m in modules.items() if (m.get("golden") or {}).get("op") == "int_layernorm"]
+    assert norms, "the mixer records its integer norms' golden ops"
+    gain = modules[norms[0]]["golden"]["constants"]["gain"][3]
+    _edit_meta(directory, lambda meta: meta["modules"][norms[0]]["golden"]["constants"]["gain"].__setitem__(3, gain + 1))
+    want = rf"module '{norms[0]}' golden.constants.gain\[3\]: recorded {gain + 1}, re-derived {gain}"
+    with pytest.raises(ValueError, match=rf"does not reproduce the module metadata recorded in .*meta.json: {want}"):
+        ckpt.load_checkpoint(directory)
+
+
+def test_a_spec_edited_with_its_checksums_is_caught_by_the_rederived_layers(saved_mixer, tmp_path):
+    """Consistently edited (norm kind and checksums), the spec rebuilds L1 norms around the
+    LayerNorm's weights: their re-derived metadata differs from the recorded one."""
+    directory = _copy(saved_mixer, tmp_path)
+
+    def to_l1(meta):
+        meta["model"]["config"]["norm"] = "l1"
+        meta["model_checksums"] = field_checksums(meta["model"])
+
+    _edit_meta(directory, to_l1)
+    with pytest.raises(ValueError, match=r"module '[\w.]+' layer: recorded \"IntLayerNorm\", re-derived \"L1LayerNorm\""):
+        ckpt.load_checkpoint(directory)

@@ -238,9 +238,21 @@ class InputQuantizer(nn.Module):
     over all ranks (one all-reduce MAX in ``process_group``, default the world), so
     every replica calibrates the same scale, the one single-process training on the
     concatenated batch would; ``sync_stats = False`` keeps it per rank.
+
+    **Outlier batches are refused.**  Once a range is calibrated, a training batch
+    whose max |x| exceeds it more than ``max_jump`` (2^10) times raises a ValueError
+    and leaves the calibration as it was.  One such batch (a diverged activation, an
+    input scaled by 1e30) would otherwise lift the scale so far that every later input
+    rounds to 0 and the layer outputs only β.  Refusing, rather than warning and
+    skipping the update, stops training at the batch that caused it: a skipped update
+    keeps training on with a range that may no longer fit, behind a warning that
+    scrolls by.  Legitimate ranges move by a few times at most between batches (the
+    calibration is a moving average); where a range really jumps, set ``max_jump``
+    higher on that quantizer (``math.inf`` turns the check off).
     """
 
     running_max_abs: torch.Tensor
+    max_jump: float = 2.0**10
 
     def __init__(
         self,
@@ -315,6 +327,13 @@ class InputQuantizer(nn.Module):
         if batch_max <= 0.0:  # an all-zero batch says nothing about the range
             return
         old = float(self.running_max_abs)
+        if old > 0.0 and batch_max > self.max_jump * old:
+            raise ValueError(
+                f"input batch max |x| = {batch_max:.6g} is {batch_max / old:.3g} times the calibrated range "
+                f"{old:.6g} (max_jump = {self.max_jump:g}); refusing to calibrate on it, since later inputs would "
+                "round to 0: check the input for a blow-up, or raise this input quantizer's max_jump if the range "
+                "really grew"
+            )
         new = batch_max if old == 0.0 else (1.0 - self.momentum) * old + self.momentum * batch_max
         self.running_max_abs.fill_(new)
 

@@ -40,6 +40,7 @@ as the norm kinds ``int_ln``, ``l1``, ``shift``, ``shift1`` (one-term mantissa) 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import fields
@@ -73,6 +74,15 @@ def _channels(normalized_shape: int | Sequence[int]) -> int:
     if isinstance(normalized_shape, bool) or not isinstance(normalized_shape, int) or normalized_shape < 1:
         raise ValueError(f"normalized_shape must be a positive integer, got {normalized_shape!r}")
     return normalized_shape
+
+
+@functools.lru_cache(maxsize=64)
+def _prove_config(
+    op_cls: type[NormOp], n: int, eps: float, fmt: QFormat, out_fmt: QFormat, rounding: Round, options: tuple
+) -> None:
+    """``op_cls.from_float`` with unit γ (raises for a config it refuses).  Cached: a
+    model's norms mostly share a config, and one derivation costs ~5-20 ms at N = 768-4096."""
+    op_cls.from_float(np.ones(n), None, eps, fmt, out_fmt, rounding=rounding, **dict(options))
 
 
 class _IntNorm(QATModule):
@@ -120,8 +130,20 @@ class _IntNorm(QATModule):
         # Registered even when absent (None), as nn.LayerNorm does: layer.weight / layer.bias always exist.
         self.register_parameter("weight", nn.Parameter(torch.ones(n, **make)) if elementwise_affine else None)
         self.register_parameter("bias", nn.Parameter(torch.zeros(n, **make)) if elementwise_affine and bias else None)
+        self._prove_config()
 
     # ---- the golden op
+
+    def _prove_config(self) -> None:
+        """Derive the golden op once with unit γ and no β, so its range analysis refuses
+        a config no input can run (e.g. ``OverflowRiskError`` for N = 65536 at 16 bits)
+        here and not at the first forward.  A calibrated input's scale is not known yet:
+        its width is proven at scale 1, and every forward's derivation checks the real one.
+        Subclasses set their op options before this base constructor runs it."""
+        quant = self.input_quant
+        fmt = quant.fixed if quant.fixed is not None else QFormat(quant.bits, 1.0, quant.signed)
+        options = tuple(sorted(self._op_options().items()))
+        _prove_config(self.op_cls, self.channels, self.eps, fmt, self.out_fmt, self.rounding, options)
 
     def golden(self, in_fmt: QFormat | None = None) -> NormOp:
         """The golden op for the current γ, β, ε and input format (default: the quantizer's).
@@ -270,8 +292,8 @@ class ShiftLayerNorm(_IntNorm):
     def __init__(self, normalized_shape: int | Sequence[int], *args: Any, mantissa_terms: int = 2, **kw: Any) -> None:
         if mantissa_terms not in (1, 2):
             raise ValueError(f"mantissa_terms must be 1 or 2, got {mantissa_terms!r}")
+        self.mantissa_terms = mantissa_terms  # first: the base constructor proves the config with it
         super().__init__(normalized_shape, *args, **kw)
-        self.mantissa_terms = mantissa_terms
 
     def _op_options(self) -> dict[str, Any]:
         return {"mantissa_terms": self.mantissa_terms}
@@ -308,12 +330,12 @@ class IntRMSNorm(_IntNorm):
     ) -> None:
         if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
             raise ValueError(f"partial must be a number in (0, 1], got {partial!r}")
+        self.partial = float(partial)  # first: the base constructor proves the config with it
         super().__init__(
             normalized_shape, eps, elementwise_affine, False, out_fmt=out_fmt, in_fmt=in_fmt, in_bits=in_bits,
             momentum=momentum, pow2=pow2, rounding=rounding, return_quant_tensor=return_quant_tensor,
             device=device, dtype=dtype,
         )  # fmt: skip
-        self.partial = float(partial)
         # k = ceil(p N) from the float's exact value: RMSNormConfig.prefix's rule (tested equal);
         # the float op needs it before any golden op exists (an uncalibrated layer).
         self.prefix = math.ceil(Fraction(self.partial) * self.channels)

@@ -10,7 +10,8 @@ its class.
   :class:`IntFlashNormLinear` apply 1/rms after the integer matmul.
 * :func:`ln_to_rms` — LayerNorm -> :class:`CRMSNorm` where the input is zero-mean by construction.
 * :func:`fold_powernorm` — :class:`PowerNorm` -> per-channel :class:`ChannelAffine` at inference.
-* :func:`convert` — float norms -> qnorm QAT layers (kinds from :mod:`qnorm.passes.registry`).
+* :func:`convert` — float norms -> qnorm QAT layers (kinds from :mod:`qnorm.passes.registry`);
+  channels-first norms inside :class:`PermutedNorm`, norms it cannot swap refused.
 * :func:`fold_thresholds` — MPBNLIF / BNQuantAct -> their integer-threshold folds.
 """
 
@@ -24,6 +25,7 @@ from qnorm.passes.flashnorm import (
     flashnorm,
     fold_gain,
 )
+from qnorm.passes.permuted import PermutedNorm
 from qnorm.passes.powernorm import ChannelAffine, PowerNorm, fold_powernorm
 from qnorm.passes.registry import (
     NormSpec,
@@ -41,6 +43,7 @@ __all__ = [
     "IntFlashNorm",
     "IntFlashNormLinear",
     "NormSpec",
+    "PermutedNorm",
     "PowerNorm",
     "QuantActSpec",
     "center_linear",

@@ -41,10 +41,19 @@ def dataflow(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.Graph:
     ``leaf_types``: further module types to keep as units (a pass that matches them).
     """
     try:
-        return _Tracer(leaf_types).trace(model)
-    except Exception as err:  # tracing runs arbitrary user forward code: any error means "not traceable"
+        return fx_graph(model, leaf_types)
+    except ValueError:
         if isinstance(model, nn.Sequential):
             return _chain(model)
+        raise
+
+
+def fx_graph(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.Graph:
+    """The ``torch.fx`` graph alone, without the Sequential fallback: a pass that must
+    see inside every non-leaf module cannot use a chain of opaque children."""
+    try:
+        return _Tracer(leaf_types).trace(model)
+    except Exception as err:  # tracing runs arbitrary user forward code: any error means "not traceable"
         raise ValueError(
             f"cannot trace {type(model).__name__} with torch.fx ({type(err).__name__}: {err}); "
             "graph passes need a symbolically traceable model or an nn.Sequential"

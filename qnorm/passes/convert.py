@@ -6,6 +6,17 @@
   where the input is zero-mean by construction.
 * ``nn.RMSNorm`` and :class:`~qnorm.passes.crms.CRMSNorm` -> the ``rms_norm`` kind
   (``int_rms``), or ``norm`` itself when that is an RMS kind.
+* Only norms convert() can swap correctly are swapped; the others are refused by
+  module name with the reason (:mod:`qnorm.passes.norm_layout`).  A LayerNorm /
+  RMSNorm subclass that overrides forward is exported on the input the model gives
+  it for ``example_input`` (a sample model input): a channels-first norm
+  (permute the channel axis last, the stock forward, permute back) becomes the qnorm
+  layer inside :class:`~qnorm.passes.PermutedNorm`; any other overridden forward,
+  or one with no ``example_input``, is refused.  Functional ``F.layer_norm`` /
+  ``F.rms_norm`` calls in custom modules are refused (there is no module to swap):
+  found by running the model on ``example_input``, or without one in its torch.fx
+  graph.  A model made only of library modules (torch.nn, Brevitas, qnorm) needs
+  no ``example_input``.
 * BatchNorm: with ``bn_act=True``, a BatchNorm whose only consumer is a registered
   quantized activation becomes one :class:`~qnorm.nn.BNQuantAct` with the
   activation's output format and rounding (the activation becomes ``nn.Identity``):
@@ -37,6 +48,8 @@ from qnorm.passes._graph import (
 )
 from qnorm.passes.crms import CRMSNorm
 from qnorm.passes.flashnorm import rms_eps
+from qnorm.passes.norm_layout import norm_axes
+from qnorm.passes.permuted import PermutedNorm
 from qnorm.passes.registry import (
     NormKind,
     NormSpec,
@@ -132,15 +145,20 @@ def convert(
     bn_act: bool = False,
     norm_options: Mapping[str, Any] | None = None,
     bn_act_options: Mapping[str, Any] | None = None,
+    example_input: Any | None = None,
 ) -> nn.Module:
     """A deep copy of ``model`` with its norms swapped for qnorm layers (module docstring).
 
     ``norm_options`` go to every norm kind's constructor, ``bn_act_options`` (e.g.
-    ``in_fmt``) to every :class:`~qnorm.nn.BNQuantAct`.
+    ``in_fmt``) to every :class:`~qnorm.nn.BNQuantAct`.  ``example_input``: a sample
+    input of ``model`` (a tensor, or a tuple of positional arguments), run once in
+    eval mode to see its norms; needed for norms that override forward, and for
+    custom modules torch.fx cannot trace.
     """
     chosen = norm_kind(norm)
     norm_options, bn_act_options = dict(norm_options or {}), dict(bn_act_options or {})
     out = copy.deepcopy(model)
+    axes = norm_axes(out, example_input)
     if bn_act:
         for bn_name, act_name in _bn_act_pairs(out):
             replace_module(
@@ -163,6 +181,10 @@ def convert(
             kind = chosen if not chosen.centered else norm_kind(rms_norm)
             if kind.centered:
                 raise ValueError(f"rms_norm kind {rms_norm!r} subtracts the mean; an RMSNorm needs an RMS kind")
-        return build_norm(kind, spec, norm_options).train(module.training)
+        layer = build_norm(kind, spec, norm_options)
+        axis = axes.get(id(module))
+        if axis is not None:
+            layer = PermutedNorm(layer, axis.dim, axis.ndim)
+        return layer.train(module.training)
 
     return replace_modules(out, swap)

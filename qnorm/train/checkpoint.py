@@ -2,24 +2,32 @@
 
 A checkpoint is a directory holding
   weights.safetensors   every state_dict tensor (parameters and buffers)
-  meta.json             {"format", "version", "model", "metadata", "modules",
-                         "weights": {"bytes", "sha256"}}
-"model" is `model_spec(model)` (kind + config, enough to rebuild it), "metadata" is
-the caller's dict (hyperparameters, results...), and "modules" maps the qualified
-name of every module that has a `qnorm_metadata()` method to what it returns (""
-is the root module); this is how quantized layers publish scales, bit widths or
-folded thresholds without the checkpoint code knowing them.
+  meta.json             {"format", "version", "model", "model_checksums", "metadata",
+                         "modules", "weights": {"bytes", "sha256"}}
+"model" is `model_spec(model)` (kind + config, enough to rebuild it) and
+"model_checksums" the sha256 of each of its fields (`json_fields.field_checksums`),
+"metadata" is the caller's dict (hyperparameters, results...), and "modules" maps the
+qualified name of every module that has a `qnorm_metadata()` method to what it
+returns ("" is the root module); this is how quantized layers publish scales, bit
+widths, golden integer constants or folded thresholds without the checkpoint code
+knowing them.
 
 Loading never unpickles anything and fails with a ValueError that names the problem:
 missing file, size or checksum mismatch (truncated / corrupt weights), unparsable
-JSON, safetensors that do not parse, or tensors whose names, shapes or dtypes do not
-match the model.
+JSON, a model spec that does not match its checksums (naming the fields), safetensors
+that do not parse, tensors whose names, shapes or dtypes do not match the model, or
+module metadata that the loaded model does not reproduce.  That last check re-derives
+every qnorm layer's golden op from the loaded float parameters and calibration and
+compares it, field by field, with what was recorded: an edited constant, or code
+whose integer definition changed since the save, would otherwise give other integers
+than the ones the checkpoint was validated with.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +36,33 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qnorm.train.json_fields import (
+    checksum_differences,
+    differences,
+    field_checksums,
+    listing,
+)
 from qnorm.train.models import build_model, model_spec
 
 WEIGHTS = "weights.safetensors"
 META = "meta.json"
 FORMAT = "qnorm.checkpoint"
-VERSION = 1
-# How many offending names a mismatch error lists before summarizing.
-_SHOWN = 8
+VERSION = 2  # 2: the model spec is checksummed field by field
 
 
 def collect_module_metadata(model: nn.Module) -> dict[str, Any]:
     """{qualified name: module.qnorm_metadata()} for every module that has the hook."""
-    found: dict[str, Any] = {}
+    return {name: hook() for name, hook in metadata_hooks(model).items()}
+
+
+def metadata_hooks(model: nn.Module) -> dict[str, Callable[[], Any]]:
+    """{qualified name: module.qnorm_metadata} for every module that has the hook."""
+    hooks = {}
     for name, module in model.named_modules():
         hook = getattr(module, "qnorm_metadata", None)
         if callable(hook):
-            found[name] = hook()
-    return found
+            hooks[name] = hook
+    return hooks
 
 
 def _sha256(path: Path) -> str:
@@ -62,7 +79,8 @@ def save_checkpoint(
     """Write `model`'s state_dict and metadata into `directory` (created if needed)."""
     directory = Path(directory)
     modules = collect_module_metadata(model)
-    header = {"format": FORMAT, "version": VERSION, "model": model_spec(model),
+    spec = json.loads(json.dumps(model_spec(model)))  # checksummed as it will be read back (tuples as lists)
+    header = {"format": FORMAT, "version": VERSION, "model": spec, "model_checksums": field_checksums(spec),
               "metadata": metadata or {}, "modules": modules}
     # Serialize before touching the disk, so a non-JSON value leaves no half checkpoint.
     try:
@@ -104,10 +122,41 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     if meta.get("version") != VERSION:
         raise ValueError(f"checkpoint {directory}: unsupported version {meta.get('version')!r}, "
                          f"this code reads version {VERSION}")
-    for key, kind in (("model", dict), ("metadata", dict), ("modules", dict), ("weights", dict)):
+    for key, kind in (("model", dict), ("model_checksums", dict), ("metadata", dict), ("modules", dict),
+                      ("weights", dict)):
         if not isinstance(meta.get(key), kind):
             raise ValueError(f"checkpoint {directory}: {path} lacks a valid {key!r} entry")
     return meta
+
+
+def _check_spec(directory: Path, meta: dict[str, Any]) -> None:
+    """The model spec must match its recorded field checksums: an edited spec (say the
+    norm kind) would rebuild another model around the same weights."""
+    changed = checksum_differences(meta["model"], meta["model_checksums"])
+    if changed:
+        raise ValueError(f"checkpoint {directory}: the model spec in {directory / META} does not match "
+                         f"its checksums (edited?): {listing(changed)}")
+
+
+def _check_modules(directory: Path, model: nn.Module, recorded: dict[str, Any]) -> None:
+    """Every module's `qnorm_metadata()`, re-derived from the loaded model (golden ops
+    from the loaded float parameters and calibration), must equal the recorded one."""
+    hooks = metadata_hooks(model)
+    problems = [f"module {name!r} was recorded but the model has no such metadata hook"
+                for name in recorded if name not in hooks]
+    for name, hook in hooks.items():
+        try:
+            derived = json.loads(json.dumps(hook(), allow_nan=False))
+        except ValueError as err:
+            raise ValueError(f"checkpoint {directory}: re-deriving module {name!r}'s metadata from the loaded "
+                             f"parameters failed: {err}") from err
+        if name not in recorded:
+            problems.append(f"module {name!r} has metadata that {META} does not record")
+            continue
+        problems += [f"module {name!r} {d}" for d in differences(recorded[name], derived)]
+    if problems:
+        raise ValueError(f"checkpoint {directory}: the loaded model does not reproduce the module metadata "
+                         f"recorded in {directory / META}: {listing(problems)}")
 
 
 def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -128,27 +177,22 @@ def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.
                          f"{err}") from err
 
 
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_SHOWN])
-    return shown + (f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
-
-
 def _check_match(directory: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     expected = model.state_dict()
     problems = []
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
+        problems.append(f"missing tensors: {listing(missing, ', ')}")
     if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+        problems.append(f"unexpected tensors: {listing(unexpected, ', ')}")
     mismatched = [
         f"{k} {tuple(tensors[k].shape)}/{tensors[k].dtype} vs model {tuple(v.shape)}/{v.dtype}"
         for k, v in expected.items()
         if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)
     ]
     if mismatched:
-        problems.append(f"shape/dtype mismatch: {_listing(mismatched)}")
+        problems.append(f"shape/dtype mismatch: {listing(mismatched, ', ')}")
     if problems:
         raise ValueError(f"checkpoint {directory} does not match {type(model).__name__}: "
                          + "; ".join(problems))
@@ -165,6 +209,7 @@ def load_checkpoint(
     if not directory.is_dir():
         raise ValueError(f"checkpoint directory {directory} does not exist")
     meta = read_metadata(directory)
+    _check_spec(directory, meta)
     tensors = _read_weights(directory, meta["weights"])
     if model is None:
         spec = meta["model"]
@@ -174,4 +219,5 @@ def load_checkpoint(
             raise ValueError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
     _check_match(directory, model, tensors)
     model.load_state_dict(tensors, strict=True)
+    _check_modules(directory, model, meta["modules"])
     return model.eval(), meta
