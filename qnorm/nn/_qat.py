@@ -467,6 +467,7 @@ class IntModule(nn.Module, abc.ABC):
         op = self.golden()
         meta["golden"] = {
             "op": op.name,
+            "definition": op.definition,
             "in_fmt": fmt_metadata(op.in_fmt),
             "out_fmt": fmt_metadata(op.out_fmt),
             "constants": jsonable(self._constants(op)),

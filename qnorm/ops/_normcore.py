@@ -107,6 +107,11 @@ ELEMENT_STAGES = ("xa", "z", "zc", "scaled", "acc", "y", "out")
 # The definition's version, recorded with checkpoints and golden vectors: 2 is the
 # narrow-lane form (per-row multiplier and offset, clamped output window).
 DEFINITION_VERSION = 2
+# What each version changed (refusals of stored integers say it).
+DEFINITION_NOTES = {
+    2: "narrow lanes: the per-row inverse is folded into a multiplier and offset of the raw input, "
+    "and the output stage runs in a clamped per-channel window",
+}
 # Gain multiplier widths: 16 bits for outputs of up to 8 bits (a gain LSB moves
 # an int8 output by < 2^-8 LSB), 24 above.
 MULT_BITS, WIDE_MULT_BITS = 16, 24
@@ -685,6 +690,7 @@ class NormOp(IntOp):
 
     config_cls: ClassVar[type[NormConfig]]
     inverse_name: ClassVar[str]
+    definition = DEFINITION_VERSION
     op_defaults: ClassVar[dict[str, Any]]  # the op's own from_float options and defaults
     # what outputs wider than 8 bits default to instead (may also name mant_bits)
     wide_defaults: ClassVar[dict[str, Any]] = {}

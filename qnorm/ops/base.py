@@ -39,6 +39,9 @@ class IntOp(abc.ABC):
     # (target limits bound each one); deliberately no default: an op that does not
     # list them is refused by the target check, never assumed product-free.
     multiplications: ClassVar[tuple[str, ...]]
+    # The version of the op's integer definition: stored integers (golden vectors,
+    # checkpoint constants) made by another version are refused, never reinterpreted.
+    definition: ClassVar[int] = 1
     in_fmt: QFormat
     out_fmt: QFormat
 

@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qnorm.ops._normcore import DEFINITION_NOTES
 from qnorm.train.json_fields import (
     checksum_differences,
     differences,
@@ -153,10 +154,28 @@ def _check_modules(directory: Path, model: nn.Module, recorded: dict[str, Any]) 
         if name not in recorded:
             problems.append(f"module {name!r} has metadata that {META} does not record")
             continue
+        _check_definition(directory, name, recorded[name], derived)
         problems += [f"module {name!r} {d}" for d in differences(recorded[name], derived)]
     if problems:
         raise ValueError(f"checkpoint {directory}: the loaded model does not reproduce the module metadata "
                          f"recorded in {directory / META}: {listing(problems)}")
+
+
+def _check_definition(directory: Path, name: str, recorded: Any, derived: Any) -> None:
+    """A layer recorded under another version of its op's integer definition is refused
+    with what changed, before its constants are compared one by one."""
+    golden = [m.get("golden") if isinstance(m, dict) else None for m in (recorded, derived)]
+    if not all(isinstance(g, dict) for g in golden):
+        return
+    was, now = golden[0].get("definition", 1), golden[1].get("definition", 1)
+    if was != now:
+        raise ValueError(
+            f"checkpoint {directory}: module {name!r} was saved with version {was} of the "
+            f"{golden[1].get('op')} integer definition; this qnorm computes version {now} "
+            f"({DEFINITION_NOTES.get(now, 'a different integer algorithm')}), so its recorded "
+            "integers would be reinterpreted. Load the float parameters into a freshly built model "
+            "and save it again (qnorm train writes the current version)"
+        )
 
 
 def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -70,6 +70,11 @@ class Case:
     def build(self) -> IntOp:
         return _FAMILIES[self.op].build(self.config, np.random.default_rng(self.seed))
 
+    @property
+    def definition(self) -> int:
+        """The version of the integer definition this case's op computes."""
+        return _FAMILIES[self.op].op.definition
+
 
 # --------------------------------------------------------------------------- formats
 
@@ -174,17 +179,18 @@ def _build_lif(cls: Any) -> Callable[[Mapping[str, Any], np.random.Generator], I
 class Family:
     layout: str
     build: Callable[[Mapping[str, Any], np.random.Generator], IntOp]
+    op: type[IntOp]
 
 
 _FAMILIES: dict[str, Family] = {
-    IntLayerNorm.name: Family(ROWS, _build_norm(IntLayerNorm, ())),
-    L1LayerNorm.name: Family(ROWS, _build_norm(L1LayerNorm, ())),
-    ShiftLayerNorm.name: Family(ROWS, _build_norm(ShiftLayerNorm, ("mantissa_terms",))),
-    IntRMSNorm.name: Family(ROWS, _build_norm(IntRMSNorm, ("partial",), has_beta=False)),
-    BNQuant.name: Family(CHANNELS, _build_bn(BNQuant)),
-    MultiThreshold.name: Family(CHANNELS, _build_bn(MultiThreshold)),
-    MPBNNeuron.name: Family(TIME, _build_lif(MPBNNeuron)),
-    FoldedLIFNeuron.name: Family(TIME, _build_lif(FoldedLIFNeuron)),
+    IntLayerNorm.name: Family(ROWS, _build_norm(IntLayerNorm, ()), IntLayerNorm),
+    L1LayerNorm.name: Family(ROWS, _build_norm(L1LayerNorm, ()), L1LayerNorm),
+    ShiftLayerNorm.name: Family(ROWS, _build_norm(ShiftLayerNorm, ("mantissa_terms",)), ShiftLayerNorm),
+    IntRMSNorm.name: Family(ROWS, _build_norm(IntRMSNorm, ("partial",), has_beta=False), IntRMSNorm),
+    BNQuant.name: Family(CHANNELS, _build_bn(BNQuant), BNQuant),
+    MultiThreshold.name: Family(CHANNELS, _build_bn(MultiThreshold), MultiThreshold),
+    MPBNNeuron.name: Family(TIME, _build_lif(MPBNNeuron), MPBNNeuron),
+    FoldedLIFNeuron.name: Family(TIME, _build_lif(FoldedLIFNeuron), FoldedLIFNeuron),
 }
 
 

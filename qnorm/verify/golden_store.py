@@ -112,6 +112,7 @@ def regenerate(directory: Path, cases: list[Case]) -> dict[str, Any]:
             "file": path.name,
             "sha256": sha256(path),
             "op": case.op,
+            "definition": case.definition,
             "config": config_json(case),
             "shape": list(x.shape),
         }
@@ -149,6 +150,13 @@ def load(directory: Path, case: Case, manifest: dict[str, Any] | None = None) ->
         raise GoldenStoreError(
             f"no golden vectors for case {case.name!r} in {directory / MANIFEST}; "
             "add them with `qnorm golden --regenerate`"
+        )
+    if entry.get("definition", 1) != case.definition:
+        raise GoldenStoreError(
+            f"case {case.name!r}: its golden vectors in {directory / MANIFEST} were made by version "
+            f"{entry.get('definition', 1)} of the {case.op} definition; this qnorm computes version "
+            f"{case.definition}. The stored integers are not reinterpreted: regenerate them deliberately "
+            "with `qnorm golden --regenerate`"
         )
     if entry.get("config") != config_json(case):
         raise GoldenStoreError(
