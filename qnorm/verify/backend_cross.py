@@ -4,8 +4,8 @@ Each column builds the op's CPU kernel (``compilers.tvm.kernels.kernel_for``)
 for the target with :mod:`compilers.tvm.cross` (LLVM for the target's triple and
 CPU, linked statically by the Debian cross gcc) and runs every batch of vectors
 as one qemu-user process.  Importing this module registers the columns without
-importing tvm; ``unavailable()`` names the Debian packages of a missing cross
-gcc, static libc or qemu binary.
+importing tvm; ``unavailable()`` (:mod:`compilers.toolchains`, no tvm either)
+names the Debian packages of a missing cross gcc, static libc or qemu binary.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 from typing import Any
 
+from compilers.toolchains import cross_tools_missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
     Backend,
@@ -36,7 +37,7 @@ def _cross() -> Any:
 def _unavailable(name: str) -> str | None:
     if importlib.util.find_spec("tvm") is None:
         return "unavailable: apache-tvm is not installed"
-    return _cross().missing_tools(column_target(name))
+    return cross_tools_missing(column_target(name))
 
 
 def _prepare(name: str, op: IntOp) -> Runner:

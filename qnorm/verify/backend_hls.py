@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.toolchains import compiler_unavailable
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
     Backend,
@@ -43,7 +44,7 @@ def _module(name: str) -> Any:
 def _unavailable() -> str | None:
     if importlib.util.find_spec("tvm") is None:
         return "unavailable: apache-tvm is not installed"
-    return _module("csim").compiler_unavailable(column_target(NAME))
+    return compiler_unavailable(column_target(NAME))
 
 
 def _prepare(op: IntOp) -> Runner:
