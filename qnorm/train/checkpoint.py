@@ -10,10 +10,11 @@ name of every module that has a `qnorm_metadata()` method to what it returns (""
 is the root module); this is how quantized layers publish scales, bit widths or
 folded thresholds without the checkpoint code knowing them.
 
-Loading never unpickles anything and fails with a ValueError that names the problem:
-missing file, size or checksum mismatch (truncated / corrupt weights), unparsable
-JSON, safetensors that do not parse, or tensors whose names, shapes or dtypes do not
-match the model.
+Loading never unpickles anything and fails with a CheckpointError (a ValueError) that
+names the problem: missing file, size or checksum mismatch (truncated / corrupt
+weights), unparsable JSON (read by :mod:`qnorm.train.checkpoint_meta`, torch-free),
+safetensors that do not parse, or tensors whose names, shapes or dtypes do not match
+the model.
 """
 
 from __future__ import annotations
@@ -28,12 +29,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qnorm.errors import CheckpointError
+from qnorm.train.checkpoint_meta import (
+    FORMAT,
+    META,
+    VERSION,
+    WEIGHTS,
+    checkpoint_dir,
+    read_metadata,
+)
 from qnorm.train.models import build_model, model_spec
 
-WEIGHTS = "weights.safetensors"
-META = "meta.json"
-FORMAT = "qnorm.checkpoint"
-VERSION = 1
 # How many offending names a mismatch error lists before summarizing.
 _SHOWN = 8
 
@@ -90,41 +96,21 @@ def _is_json(value: Any) -> bool:
     return True
 
 
-def read_metadata(directory: str | Path) -> dict[str, Any]:
-    """Parse and validate `meta.json` of a checkpoint directory."""
-    path = Path(directory) / META
-    if not path.is_file():
-        raise ValueError(f"checkpoint {directory}: missing metadata file {path}")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint {directory}: {path} is not valid JSON: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {directory}: {path} is not a {FORMAT} file")
-    if meta.get("version") != VERSION:
-        raise ValueError(f"checkpoint {directory}: unsupported version {meta.get('version')!r}, "
-                         f"this code reads version {VERSION}")
-    for key, kind in (("model", dict), ("metadata", dict), ("modules", dict), ("weights", dict)):
-        if not isinstance(meta.get(key), kind):
-            raise ValueError(f"checkpoint {directory}: {path} lacks a valid {key!r} entry")
-    return meta
-
-
 def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.Tensor]:
     path = directory / WEIGHTS
     if not path.is_file():
-        raise ValueError(f"checkpoint {directory}: missing weights file {path}")
+        raise CheckpointError(f"checkpoint {directory}: missing weights file {path}")
     size = path.stat().st_size
     if size != recorded.get("bytes"):
-        raise ValueError(f"checkpoint {directory}: weights file {path} is truncated or padded: "
+        raise CheckpointError(f"checkpoint {directory}: weights file {path} is truncated or padded: "
                          f"{size} bytes, meta.json records {recorded.get('bytes')}")
     if _sha256(path) != recorded.get("sha256"):
-        raise ValueError(f"checkpoint {directory}: weights file {path} is corrupt: "
+        raise CheckpointError(f"checkpoint {directory}: weights file {path} is corrupt: "
                          "its sha256 does not match meta.json")
     try:
         return load_file(str(path))
     except SafetensorError as err:
-        raise ValueError(f"checkpoint {directory}: {path} is not a valid safetensors file: "
+        raise CheckpointError(f"checkpoint {directory}: {path} is not a valid safetensors file: "
                          f"{err}") from err
 
 
@@ -150,7 +136,7 @@ def _check_match(directory: Path, model: nn.Module, tensors: dict[str, torch.Ten
     if mismatched:
         problems.append(f"shape/dtype mismatch: {_listing(mismatched)}")
     if problems:
-        raise ValueError(f"checkpoint {directory} does not match {type(model).__name__}: "
+        raise CheckpointError(f"checkpoint {directory} does not match {type(model).__name__}: "
                          + "; ".join(problems))
 
 
@@ -161,17 +147,15 @@ def load_checkpoint(
 
     Returns the model, in eval mode, and the parsed meta.json.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"checkpoint directory {directory} does not exist")
+    directory = checkpoint_dir(directory)
     meta = read_metadata(directory)
     tensors = _read_weights(directory, meta["weights"])
     if model is None:
         spec = meta["model"]
         try:
             model = build_model(spec["kind"], **spec["config"])
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
     _check_match(directory, model, tensors)
     model.load_state_dict(tensors, strict=True)
     return model.eval(), meta
