@@ -98,9 +98,9 @@ def test_transformer_checkpoint_is_refused_naming_softmax_and_gelu(tmp_path, cap
     model = build_model("transformer", norm="int_ln")
     model.train()(torch.randn(8, 8, 8))  # calibrate the integer norms
     path = save_checkpoint(model, tmp_path / "transformer")
-    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 2
+    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 1  # refused: an error, not a usage error
     err = capsys.readouterr().err
-    assert "not deployable bit-exactly" in err
+    assert "qnorm compile: error: model is not deployable bit-exactly" in err
     assert "blocks.0.attn: aten._softmax (softmax) has no exact float form" in err
     assert "blocks.0: aten.gelu (GELU) has no exact float form" in err
     assert "embed: the weights are not on a coarse power-of-two grid" in err  # Int8WeightPerTensorFloat

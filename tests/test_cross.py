@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("tvm")
 
+from compilers import toolchains
 from compilers.tvm import cross
 from compilers.tvm.kernels import kernel_for
 from qnorm.cli import main
@@ -200,7 +201,7 @@ def test_verify_columns(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_verify_column_skips_without_tools(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cross.shutil, "which", lambda name: None)
+    monkeypatch.setattr(toolchains.shutil, "which", lambda name: None)
     reason = backends.get("riscv64").unavailable()
     assert "riscv64-linux-gnu-gcc" in reason and "gcc-riscv64-linux-gnu" in reason
 

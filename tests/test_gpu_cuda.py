@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("tvm")
 
+from compilers import toolchains
 from compilers.tvm import cuda
 from compilers.tvm.gpu import GPU
 from compilers.tvm.kernels import kernel_for
@@ -39,8 +40,8 @@ REPRESENTATIVE = (
     "mpbn_lif.int8.c16.hard.ge.leak0875",
 )
 
-if cuda.nvcc_unavailable():
-    pytest.skip(cuda.nvcc_unavailable(), allow_module_level=True)
+if toolchains.nvcc_unavailable():
+    pytest.skip(toolchains.nvcc_unavailable(), allow_module_level=True)
 
 
 def load_script(name: str):
@@ -252,7 +253,7 @@ def test_gpu_check_prepare(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", REPRESENTATIVE)
 def test_cuda_kernel_on_the_gpu(name: str) -> None:
-    if cuda.gpu_compute_capability() is None:
+    if toolchains.gpu_compute_capability() is None:
         pytest.skip("no CUDA GPU (nvidia-smi lists none): the kernels are compiled, not run")
     case = case_named(name)
     op = case.build()

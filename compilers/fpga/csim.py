@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ import numpy as np
 
 from compilers.fpga import csource
 from compilers.fpga.vectors import read_outputs, write_vectors
+from compilers.toolchains import compiler_unavailable
 from compilers.tvm.build import cache_dir as tvm_cache_dir
 from qnorm.targets import Target
 
@@ -48,13 +48,6 @@ class Csim:
 def cache_dir() -> Path:
     """``$QNORM_CACHE/hls``: next to the TVM build cache, read at each call."""
     return tvm_cache_dir().parent / "hls"
-
-
-def compiler_unavailable(target: Target) -> str | None:
-    """None if the target's C compiler is on PATH, else why the simulation cannot run."""
-    if shutil.which(target.build.cc) is None:
-        return f"unavailable: C compiler {target.build.cc!r} (build.cc of {target.path.name}) is not on PATH"
-    return None
 
 
 def cache_key(project: Path, target: Target) -> str:

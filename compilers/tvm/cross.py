@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import struct
 import subprocess
 import tempfile
@@ -39,6 +38,7 @@ import tvm
 import tvm.libinfo
 import tvm_ffi.libinfo
 
+from compilers.toolchains import cross_tools_missing
 from compilers.tvm.build import cache_dir, cache_key, non_integer_dtypes, tvm_target
 from compilers.tvm.kernels import CompiledKernel, Kernel
 from qnorm.targets import Target, load_target
@@ -90,25 +90,9 @@ def cross_target(target: Target | str) -> Target:
     return target
 
 
-def _static(target: Target) -> bool:
-    return "-static" in target.build.cflags
-
-
 def missing_tools(target: Target | str) -> str | None:
     """None when this machine can build and run ``target``'s kernels, else what is missing."""
-    target = cross_target(target)
-    needs = [
-        (target.build.cc, shutil.which(target.build.cc) is not None, target.build.debian_packages),
-        (target.run.emulator, shutil.which(target.run.emulator) is not None, target.run.debian_packages),
-    ]
-    libc = Path(target.run.sysroot, "lib", "libc.a" if _static(target) else "libc.so.6")
-    needs.append((str(libc), libc.exists(), target.build.debian_packages))
-    missing = [(what, pkgs) for what, found, pkgs in needs if not found]
-    if not missing:
-        return None
-    what = ", ".join(w for w, _ in missing)
-    pkgs = " ".join(dict.fromkeys(p for _, ps in missing for p in ps))
-    return f"{what} not found (Debian: apt-get install {pkgs})"
+    return cross_tools_missing(cross_target(target))
 
 
 # --------------------------------------------------------------------------- build

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.toolchains import NVCC
 from compilers.tvm.build import cache_dir as tvm_cache_dir
 from compilers.tvm.build import tvm_target
 from compilers.tvm.gpu import GPU, DeviceKernel, DeviceModule, Launch, lower
@@ -45,7 +45,6 @@ from compilers.tvm.kernels import CompiledKernel, Kernel, kernel_for
 from qnorm.targets import Target, load_target
 
 TARGET = "cuda"
-NVCC = "nvcc"
 OUTPUTS = ("ptx", "cubin")  # what nvcc makes of the source, for every architecture
 HARNESS_FLAGS = ("-O2", "-std=c++17")
 HARNESS_SOURCE = Path(__file__).resolve().parent / "harness" / "gpu_harness.cu"  # package data
@@ -75,34 +74,12 @@ def nvcc_flags(target: Target) -> tuple[str, ...]:
     return tuple(a for a in target.run.compile_args if not _ARCH.match(a))
 
 
-def nvcc_unavailable() -> str | None:
-    """None if nvcc runs here, else what is missing."""
-    if shutil.which(NVCC) is None:
-        return f"{NVCC} not found on PATH (the CUDA toolkit compiles the kernels)"
-    return None
-
-
 @cache
 def nvcc_version() -> str:
     done = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NvccError(f"`{NVCC} --version` failed: {done.stderr.strip()}")
     return done.stdout.strip().splitlines()[-1]
-
-
-@cache
-def gpu_compute_capability() -> str | None:
-    """The first CUDA GPU's architecture (``sm_90``), or None when this machine has none."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    done = subprocess.run(
-        ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    caps = done.stdout.split() if done.returncode == 0 else []
-    return f"sm_{caps[0].replace('.', '')}" if caps else None
 
 
 # --------------------------------------------------------------------------- source

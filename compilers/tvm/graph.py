@@ -56,9 +56,10 @@ from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
 from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
 from qnorm.deploy.freeze import int_op_info
+from qnorm.errors import DeployError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, load_target
+from qnorm.targets import Target, load_target, not_compiled_for, target_name
 
 FORMAT = "qnorm.compiled"
 VERSION = 1
@@ -66,7 +67,6 @@ LIBRARY = "model.so"
 METADATA = "model.json"
 _KEY_FORMAT = 1  # bump when a key recipe or the cache layout changes
 HOST_TARGETS = ("x86_64",)  # what compile runs on so far; others come with their runners
-ALIASES = {"x86": "x86_64"}
 _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
 _SOURCE_PACKAGES = ("qnorm", "compilers")
 # Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
@@ -77,12 +77,9 @@ def compile_target(target: str | Target) -> Target:
     """The qnorm target (a name, ``x86`` meaning ``x86_64``, or a loaded Target), if
     ``compile`` supports it yet."""
     if isinstance(target, str):
-        target = load_target(ALIASES.get(target, target))  # unknown: its error lists the known targets
+        target = load_target(target_name(target))  # unknown: its error lists the known targets
     if target.name not in HOST_TARGETS:
-        raise ValueError(
-            f"target {target.name!r} is not supported by compile yet; supported: {', '.join(HOST_TARGETS)} "
-            "(the host CPU: the whole model) and fpga-hls (one HLS project per qnorm layer)"
-        )
+        raise not_compiled_for(target.name)
     return target
 
 
@@ -310,7 +307,7 @@ def _metadata(
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = [a for a in out_node.args[0]]
     if len(user) != 1 or len(outputs) != 1:
-        raise ValueError(f"compile takes models with one input and one output, got {len(user)} and {len(outputs)}")
+        raise DeployError(f"compile takes models with one input and one output, got {len(user)} and {len(outputs)}")
     fmt = input_format(program)
     grid = report.outputs[0]
     return {
