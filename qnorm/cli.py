@@ -174,10 +174,11 @@ def _compile_hls(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """``qnorm export CHECKPOINT --format qonnx -o FILE``: the logic is in qnorm.export.qonnx."""
-    try:
-        from qnorm.export.qonnx import describe, export_checkpoint
-    except ModuleNotFoundError as err:
-        raise UsageError(f"QONNX export needs the qonnx extra (pip install 'qnorm[qonnx]'): {err}") from None
+    from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
+
+    read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
+    from qnorm.export.qonnx import describe, export_checkpoint  # a missing qonnx: main names the extra
+
     proto, meta = export_checkpoint(args.checkpoint, args.out, args.batch)
     print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
     print(f"  wrote {args.out}: {describe(proto)}")
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory written by qnorm train")
     export.add_argument("--format", choices=["qonnx"], default="qonnx", help="output format (default: qonnx)")
     export.add_argument("-o", "--out", metavar="FILE", required=True, help="the .onnx file to write")
-    export.add_argument("--batch", type=int, default=1, help="the graph's static batch size (default 1)")
+    export.add_argument("--batch", type=positive_int, default=1, help="the graph's static batch size (default 1)")
     export.set_defaults(func=_export)
 
     golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")
