@@ -24,6 +24,10 @@ of ``qnorm`` and ``compilers`` (any code change misses).  Models with a module
 class from elsewhere get no model key (their code is not hashed).  A recompile
 of the same model reads one JSON file and loads the library: milliseconds.
 
+**Reproducible.**  The same module compiles to the same bytes: the Relax pipeline
+is :func:`compilers.tvm.reproducible.relax_pipeline`, which fixes the one order
+TVM leaves to chance.
+
 :meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
 formats, versions, the library's SHA-256, the source checkpoint);
 :func:`load_compiled` refuses a directory whose library does not match.
@@ -53,6 +57,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
+from compilers.tvm.reproducible import relax_pipeline
 from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
 from qnorm.deploy.freeze import int_op_info
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
@@ -295,7 +300,7 @@ def _check_cpu(directory: Path, built: dict[str, Any]) -> None:
 
 def _build_library(mod: tvm.IRModule, target: Target, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
-    executable = tvm.compile(mod, target=tvm_target(target))
+    executable = tvm.compile(mod, target=tvm_target(target), relax_pipeline=relax_pipeline())
     # Export under a private name, then rename: a concurrent compile of the same
     # model never sees a half-written library.
     tmp = library.with_name(f"{library.stem}.{os.getpid()}.tmp.so")
