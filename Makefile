@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv toolchains demo test test-slow bench clean
+.PHONY: venv toolchains demo test test-slow verify-strict bench clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,13 @@ test: $(STAMP) toolchains
 # pytest exits 5 when a marker selects nothing; that is not a failure here.
 test-slow: $(STAMP) toolchains
 	$(VPY) -m pytest -q -n auto -m slow || [ $$? -eq 5 ]
+
+# Every verify column a CPU box with the toolchains above can prove, with --strict: a
+# skip (a tool went missing) or compiled cell fails instead of passing quietly. cuda
+# only compiles without a GPU; scripts/gpu_check.sh runs it where there is one.
+STRICT_TARGETS := x86_64 aarch64 riscv64 opencl fpga-hls
+verify-strict: $(STAMP) toolchains
+	$(VPY) -m qnorm.cli verify --strict --target $(STRICT_TARGETS)
 
 # Every benchmark in one process, one run (interleaved loops >= 0.5 s, medians of
 # per-round ratios), written to out/bench.md: kernels (P1, P2), QAT step, compile (P4).

@@ -3,9 +3,10 @@
 Cold is one ``compile_model`` into an empty ``$QNORM_CACHE``: freeze, torch.export,
 the exactness proof, Relax import with the qnorm kernels, ``tvm.compile`` and the
 link.  Cached is the median of repeated compiles of the same model, which the
-model key finds in the cache (read one JSON file, load the library).  Goals:
-cold <= 30 s, cached <= 1 s.  The models are the demo's, untrained (compile time
-does not depend on the weights), calibrated on a batch of digits.
+model key finds in the cache (read one JSON file, check the index's and the
+library's SHA-256, load the library).  Goals: cold <= 30 s, cached <= 1 s.  The
+models are the demo's, untrained (compile time does not depend on the weights),
+calibrated on a batch of digits.
 """
 
 from __future__ import annotations

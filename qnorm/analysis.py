@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from qnorm.errors import QnormError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round, bits_for, div_round, int_range, rshift_round
 
 
@@ -24,7 +25,7 @@ from qnorm.fixedpoint import DEFAULT_ROUND, Round, bits_for, div_round, int_rang
 SAFE_INT64_BITS = 63
 
 
-class OverflowRiskError(ValueError):
+class OverflowRiskError(QnormError, ValueError):
     """A config whose intermediates cannot be proven to fit the accumulator."""
 
 

@@ -1,20 +1,59 @@
-"""The ``qnorm`` command."""
+"""The ``qnorm`` command.
+
+Every subcommand checks its arguments (option values, target and case names,
+paths) before it imports torch or tvm, which take seconds: a mistyped command
+is answered at once.  A problem the user can fix is a
+:class:`~qnorm.errors.QnormError`, printed as one line
+``qnorm <cmd>: error: <message>`` on stderr; the exit status is 2 for a usage
+error, 1 for any other error or failed check.  ``qnorm --debug <cmd>`` also
+prints the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
+from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from qnorm.cli_args import output_dir, positive_int
+from qnorm.errors import DeployError, QnormError, UsageError
 from qnorm.extras import hint_for
+
+if TYPE_CHECKING:
+    from qnorm.verify.cases import Case
+    from qnorm.verify.harness import CaseReport, Report
+
+HLS_TARGET = "fpga-hls"
+
+
+class _ArgumentError(UsageError):
+    """An argparse error, with the parser's name and usage line for the message."""
+
+    def __init__(self, prog: str, usage: str, message: str) -> None:
+        super().__init__(message)
+        self.prog, self.usage = prog, usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as exceptions, so :func:`main` reports them like every other
+    error (and a caller of ``main`` gets an exit status instead of SystemExit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _ArgumentError(self.prog, self.format_usage(), message)
+
+
+# --------------------------------------------------------------------------- demo
 
 
 def _demo(args: argparse.Namespace) -> int:
     from qnorm.demo import DeployMismatchError, run_demo, run_deploy_demo
     from qnorm.train.experiment import run_training
 
-    out = Path(args.out)
+    out = args.out
     run_demo(out, seed=args.seed)
     # Train each norm/neuron kind, fold the integer SNN, print the accuracy table.
     # A folded SNN that predicts differently raises FoldMismatchError (non-zero exit).
@@ -31,71 +70,102 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- verify
+
+
 def _verify(args: argparse.Namespace) -> int:
-    from qnorm.verify import DEFAULT_ELEMENTS, FULL_ELEMENTS, resolve_columns, select_cases, verify
+    # The catalogue, the registry and the harness load neither torch nor tvm: names are
+    # checked and --list answered before any backend prepares (and imports) anything.
+    from qnorm.verify.cases import select_cases
     from qnorm.verify.golden_store import DEFAULT_DIR
-    from qnorm.verify.harness import CaseReport
+    from qnorm.verify.harness import resolve_columns, verify
+    from qnorm.verify.vectors import DEFAULT_ELEMENTS, FULL_ELEMENTS
 
     columns = resolve_columns(args.target)
     cases = select_cases(args.case)
+    if args.list:
+        return _list(cases, columns, args.json)
     elements = args.elements if args.elements is not None else FULL_ELEMENTS if args.full else DEFAULT_ELEMENTS
-    if elements < 1:
-        raise ValueError(f"--elements must be positive, got {elements}")
-
-    def progress(report: CaseReport, i: int, n: int) -> None:
-        status = "FAIL" if report.failed else "ok"
-        print(f"[{i}/{n}] {report.case.name}: {status} ({report.seconds:.1f} s)", file=sys.stderr)
-
-    golden_dir = Path(args.golden_dir) if args.golden_dir else DEFAULT_DIR
-    report = verify(cases, columns, elements, args.seed, golden_dir, progress if sys.stderr.isatty() else None)
-    if args.json:
-        print(json.dumps(report.to_json(), indent=1))
-        for case_report, name, cell in report.failures:  # the first mismatching input, for humans too
-            detail = cell.mismatch.describe() if cell.mismatch is not None else cell.reason
-            print(f"FAIL {case_report.case.name} × {name}: {detail}", file=sys.stderr)
-    else:
-        print(report.matrix())
-    return 0 if report.ok else 1
-
-
-def _compile(args: argparse.Namespace) -> int:
-    if args.target == HLS_TARGET:
-        return _compile_hls(args)
-    from compilers.tvm.graph import compile_checkpoint
-
-    compiled, source = compile_checkpoint(args.checkpoint, args.target)
-    out = compiled.save(args.out, source=source)
-    meta = json.loads((out / "model.json").read_text())
-    target = meta["target"]
-    state = "cache hit" if compiled.cache_hit else "compiled"
-    print(f"{args.checkpoint}: {source['model']['kind']} {source['model']['config']}")
-    print(f"  {meta['exactness']['summary']}")
-    cpu = target["tvm"].get("mcpu", target["tvm"]["kind"])
-    print(f"  {state} for {target['name']} ({cpu}) in {compiled.seconds:.2f} s")
-    print(f"  wrote {out / 'model.so'} (sha256 {meta['library']['sha256'][:16]}...) and {out / 'model.json'}")
+    golden_dir = args.golden_dir if args.golden_dir is not None else DEFAULT_DIR
+    _note(f"qnorm verify: {len(cases)} cases x {len(columns)} columns ({', '.join(columns)}), "
+          f">= {elements} input elements per case")  # fmt: skip
+    report = verify(cases, columns, elements, args.seed, golden_dir, _progress)
+    _print_report(report, args.json)
+    if not report.ok:
+        return 1
+    if args.strict and report.unproven:
+        counts = Counter((name, cell.status) for _, name, cell in report.unproven)
+        listed = ", ".join(f"{name}: {n} {status}" for (name, status), n in counts.items())
+        _note(f"qnorm verify: FAILED (--strict): {len(report.unproven)} cell(s) not proven here ({listed})")
+        return 1
     return 0
 
 
-HLS_TARGET = "fpga-hls"
+def _print_report(report: Report, as_json: bool) -> None:
+    if not as_json:
+        print(report.matrix())
+        return
+    print(json.dumps(report.to_json(), indent=1))
+    for case_report, name, cell in report.failures:  # the first mismatching input, for humans too
+        detail = cell.mismatch.describe() if cell.mismatch is not None else cell.reason
+        print(f"FAIL {case_report.case.name} × {name}: {detail}", file=sys.stderr)
+
+
+def _list(cases: list[Case], columns: list[str], as_json: bool) -> int:
+    from qnorm.verify.listing import column_plan, listing_json, listing_text
+
+    plans = [column_plan(name) for name in columns]
+    print(json.dumps(listing_json(cases, plans), indent=1) if as_json else listing_text(cases, plans))
+    return 0
+
+
+def _progress(report: CaseReport, i: int, n: int) -> None:
+    """One line per finished case on stderr, flushed: a CI log shows a long run advancing
+    (a terminal gets the same lines)."""
+    _note(f"[{i}/{n}] {report.case.name}: {report.summary()} ({report.seconds:.1f} s)")
+
+
+def _note(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from qnorm.targets import compile_target_name
+    from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
+
+    target = compile_target_name(args.target)
+    read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
+    if target == HLS_TARGET:
+        return _compile_hls(args)
+    from compilers.tvm.graph import compile_checkpoint
+
+    compiled, source = compile_checkpoint(args.checkpoint, target)
+    out = compiled.save(args.out, source=source)
+    meta = json.loads((out / "model.json").read_text())
+    target_meta = meta["target"]
+    state = "cache hit" if compiled.cache_hit else "compiled"
+    print(f"{args.checkpoint}: {source['model']['kind']} {source['model']['config']}")
+    print(f"  {meta['exactness']['summary']}")
+    cpu = target_meta["tvm"].get("mcpu", target_meta["tvm"]["kind"])
+    print(f"  {state} for {target_meta['name']} ({cpu}) in {compiled.seconds:.2f} s")
+    print(f"  wrote {out / 'model.so'} (sha256 {meta['library']['sha256'][:16]}...) and {out / 'model.json'}")
+    return 0
 
 
 def _compile_hls(args: argparse.Namespace) -> int:
     """One Vitis HLS project per qnorm layer of the checkpoint (the linears stay on the host)."""
     from compilers.fpga.hls import write_hls_projects
-    from qnorm.analysis import TargetLimitError
     from qnorm.deploy import integer_ops
     from qnorm.train.checkpoint import load_checkpoint
 
     model, meta = load_checkpoint(args.checkpoint)
     ops = integer_ops(model)
     if not ops:
-        print(f"qnorm compile: {args.checkpoint} has no qnorm integer layer to put on the FPGA", file=sys.stderr)
-        return 2
-    try:
-        projects = write_hls_projects(ops, args.out)
-    except TargetLimitError as err:
-        print(f"qnorm compile: refused: {err}", file=sys.stderr)
-        return 2
+        raise DeployError(f"{args.checkpoint} has no qnorm integer layer to put on the FPGA")
+    projects = write_hls_projects(ops, args.out)  # TargetLimitError (a QnormError) if the FPGA cannot run one
     print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
     for name, path in projects.items():
         print(f"  {name}: {ops[name].name} -> {path} (vitis_hls -f {path / 'run_hls.tcl'})")
@@ -104,22 +174,25 @@ def _compile_hls(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """``qnorm export CHECKPOINT --format qonnx -o FILE``: the logic is in qnorm.export.qonnx."""
-    try:
-        from qnorm.export.qonnx import describe, export_checkpoint
-    except ModuleNotFoundError as err:
-        print(f"qnorm export: QONNX export needs the qonnx extra (pip install -e '.[qonnx]'): {err}", file=sys.stderr)
-        return 2
+    from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
+
+    read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
+    from qnorm.export.qonnx import describe, export_checkpoint  # a missing qonnx: main names the extra
+
     proto, meta = export_checkpoint(args.checkpoint, args.out, args.batch)
     print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
     print(f"  wrote {args.out}: {describe(proto)}")
     return 0
 
 
+# --------------------------------------------------------------------------- golden
+
+
 def _golden(args: argparse.Namespace) -> int:
-    from qnorm.verify import select_cases
+    from qnorm.verify.cases import select_cases
     from qnorm.verify.golden_store import DEFAULT_DIR, check, regenerate
 
-    directory = Path(args.dir) if args.dir else DEFAULT_DIR
+    directory = args.dir if args.dir is not None else DEFAULT_DIR
     cases = select_cases(args.case)
     if args.regenerate:
         manifest = regenerate(directory, cases)
@@ -133,38 +206,28 @@ def _golden(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+# --------------------------------------------------------------------------- parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     from qnorm.train.cli import add_train_parser
 
-    parser = argparse.ArgumentParser(prog="qnorm", description="Integer and fixed-point normalization toolkit")
+    parser = _Parser(prog="qnorm", description="Integer and fixed-point normalization toolkit")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not just its message")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="measure every integer op against its float op, train, compile for this CPU and check the "
              "compiled models bit for bit; write out/",
     )  # fmt: skip
-    demo.add_argument("--out", default="out", help="directory for the markdown table and the PNG (default: out)")
+    demo.add_argument(
+        "--out", type=output_dir, default="out", help="directory for the markdown table and the PNG (default: out)"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="train for a few epochs only (smoke test)")
     demo.set_defaults(func=_demo)
     add_train_parser(sub)
-
-    verify = sub.add_parser(
-        "verify",
-        help="bit-exactness of every op x config on golden, qat and each target; exit 1 on any mismatch",
-    )
-    verify.add_argument(
-        "--target", nargs="+", action="extend", metavar="T",
-        help="targets/backends to check besides golden and qat (default: every known target)",
-    )  # fmt: skip
-    verify.add_argument("--json", action="store_true", help="machine-readable report on stdout")
-    size = verify.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true", help="10^7 input elements per case instead of 10^5")
-    size.add_argument("--elements", type=int, help="input elements per case (default 10^5)")
-    verify.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
-    verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
-    verify.add_argument("--golden-dir", help="golden store directory (default: qnorm/data/golden)")
-    verify.set_defaults(func=_verify)
+    _add_verify_parser(sub)
 
     compile_ = sub.add_parser(
         "compile",
@@ -180,8 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument(
         "--target", default="x86_64", help="target name: x86_64 (default, the host CPU; x86 works too) compiles the whole model into one "
         "library; fpga-hls writes one HLS project per qnorm layer"
-    )
-    compile_.add_argument("-o", "--out", metavar="DIR", required=True, help="output directory for model.so and model.json")
+    )  # fmt: skip
+    compile_.add_argument(
+        "-o", "--out", metavar="DIR", type=output_dir, required=True,
+        help="output directory for model.so and model.json (created; must not be a file)",
+    )  # fmt: skip
     compile_.set_defaults(func=_compile)
 
     export = sub.add_parser(
@@ -192,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint directory written by qnorm train")
     export.add_argument("--format", choices=["qonnx"], default="qonnx", help="output format (default: qonnx)")
     export.add_argument("-o", "--out", metavar="FILE", required=True, help="the .onnx file to write")
-    export.add_argument("--batch", type=int, default=1, help="the graph's static batch size (default 1)")
+    export.add_argument("--batch", type=positive_int, default=1, help="the graph's static batch size (default 1)")
     export.set_defaults(func=_export)
 
     golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")
@@ -201,24 +267,72 @@ def build_parser() -> argparse.ArgumentParser:
         help="rewrite the stored vectors and manifest from the current golden model (deliberate)",
     )  # fmt: skip
     golden.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
-    golden.add_argument("--dir", help="golden store directory (default: qnorm/data/golden)")
+    golden.add_argument("--dir", type=Path, help="golden store directory (default: qnorm/data/golden)")
     golden.set_defaults(func=_golden)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
+def _add_verify_parser(sub: Any) -> None:
+    verify = sub.add_parser(
+        "verify",
+        help="bit-exactness of every op x config on golden, qat and each target; exit 1 on any mismatch",
+    )
+    verify.add_argument(
+        "--target", nargs="+", action="extend", metavar="T",
+        help="targets/backends to check besides golden and qat (default: every known target)",
+    )  # fmt: skip
+    verify.add_argument("--json", action="store_true", help="machine-readable report (or --list) on stdout")
+    size = verify.add_mutually_exclusive_group()
+    size.add_argument("--full", action="store_true", help="10^7 input elements per case instead of 10^5")
+    size.add_argument("--elements", type=positive_int, help="input elements per case (default 10^5)")
+    verify.add_argument("--case", nargs="+", action="extend", metavar="GLOB", help="only cases matching a glob")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random vectors (default 0)")
+    verify.add_argument("--golden-dir", type=Path, help="golden store directory (default: qnorm/data/golden)")
+    verify.add_argument(
+        "--list", action="store_true",
+        help="list the cases and the columns (whether each can run here, and why not) without running anything",
+    )  # fmt: skip
+    verify.add_argument(
+        "--strict", action="store_true",
+        help="a skip or compiled cell is a failure too (exit 1): every chosen column must run every case here",
+    )  # fmt: skip
+    verify.set_defaults(func=_verify)
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, reporting an unrecognized argument as its subcommand's error (argparse
+    itself blames the top-level parser)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``qnorm`` with ``argv`` (default: the command line); returns the exit status."""
+    try:
+        args = _parse(build_parser(), argv)
+    except _ArgumentError as err:
+        sys.stderr.write(err.usage)
+        print(f"{err.prog}: error: {err}", file=sys.stderr)
+        return err.exit_code
     try:
         return args.func(args)
-    except ValueError as err:  # bad input / refused config: a clear message, no traceback
-        print(f"qnorm: error: {err}", file=sys.stderr)
-        return 2
+    except QnormError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"qnorm {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
     except ImportError as err:  # an optional dependency: name the extra that installs it
         hint = hint_for(err)
         if hint is None:
             raise
-        print(f"qnorm: error: {hint}", file=sys.stderr)
-        return 2
+        if args.debug:
+            traceback.print_exc()
+        print(f"qnorm {args.command}: error: {hint}", file=sys.stderr)
+        return UsageError.exit_code
 
 
 if __name__ == "__main__":

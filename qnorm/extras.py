@@ -29,6 +29,8 @@ EXTRAS: dict[str, str] = {
     "matplotlib": "train",
     "tvm": "tvm",
     "pyopencl": "opencl",
+    "qonnx": "qonnx",
+    "onnx": "qonnx",
 }
 
 

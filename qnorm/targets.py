@@ -27,10 +27,18 @@ from typing import Any
 import tomllib
 
 from qnorm.data import data_dir
+from qnorm.errors import TargetError, UnknownTargetError
 
 TARGETS_DIR = data_dir("targets")  # package data: found the same way installed or in a checkout
 
 HOST = "host"  # placeholder resolved from the build machine's CPU at load time
+
+ALIASES = {"x86": "x86_64"}  # other names a command line may use for a target
+# What `qnorm compile` makes for each target it supports; any other target is refused.
+COMPILE_TARGETS = {
+    "x86_64": "the host CPU: the whole model",
+    "fpga-hls": "one HLS project per qnorm layer",
+}
 
 TVM_KINDS = ("llvm", "c", "cuda", "opencl")
 # TVM target attributes a description may set, with their TOML types.
@@ -134,15 +142,43 @@ def known_targets(directory: Path = TARGETS_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.toml"))
 
 
+def target_name(name: str, directory: Path = TARGETS_DIR) -> str:
+    """The description ``name`` stands for (``x86`` is ``x86_64``); an unknown name is an
+    :class:`UnknownTargetError` listing the known ones.  Reads file names only, so the
+    command line checks ``--target`` with it before anything heavy loads."""
+    name = ALIASES.get(name, name)
+    _require_known(name, directory)
+    return name
+
+
+def _require_known(name: str, directory: Path) -> None:
+    known = known_targets(directory)
+    if name not in known:
+        raise UnknownTargetError(f"unknown target {name!r}; known targets: {', '.join(known) or '(none)'}")
+
+
+def compile_target_name(name: str, directory: Path = TARGETS_DIR) -> str:
+    """The target ``qnorm compile`` builds for ``name``, or :class:`UnknownTargetError`
+    for an unknown name or one compile does not support."""
+    name = target_name(name, directory)
+    if name not in COMPILE_TARGETS:
+        raise not_compiled_for(name)
+    return name
+
+
+def not_compiled_for(name: str) -> UnknownTargetError:
+    """The error for a known target that ``qnorm compile`` (or a compile path) does not support."""
+    supported = " and ".join(f"{n} ({what})" for n, what in COMPILE_TARGETS.items())
+    return UnknownTargetError(f"target {name!r} is not supported by compile yet; supported: {supported}")
+
+
 def load_target(name: str, directory: Path = TARGETS_DIR, cpuinfo: str | None = None) -> Target:
     """Load and validate ``<directory>/<name>.toml``.
 
     ``cpuinfo`` replaces the text of /proc/cpuinfo when resolving ``"host"``
     fields (tests feed fixed flag sets through it).
     """
-    known = known_targets(directory)
-    if name not in known:
-        raise ValueError(f"unknown target {name!r}; known targets: {', '.join(known) or '(none)'}")
+    _require_known(name, directory)
     return load_target_file(directory / f"{name}.toml", cpuinfo=cpuinfo)
 
 
@@ -162,12 +198,12 @@ def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
     try:
         doc = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: malformed TOML: {e}") from None
+        raise TargetError(f"{path}: malformed TOML: {e}") from None
     r = _Reader(path, doc, "")
     r.only({"name", "description", "tvm", "hardware", "build", "run"})
     name = r.req("name", str)
     if name != path.stem:
-        raise ValueError(f"{path}: field 'name' is {name!r} but the file is {path.stem}.toml")
+        raise TargetError(f"{path}: field 'name' is {name!r} but the file is {path.stem}.toml")
     description = r.req("description", str)
     tvm_table = r.table("tvm")
     tvm, tvm_host = _tvm_spec(tvm_table)
@@ -182,7 +218,7 @@ def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
     ]
     if host_fields:
         if run.method != "native":
-            raise ValueError(
+            raise TargetError(
                 f"{path}: {', '.join(host_fields)} = 'host' needs run.method = 'native'"
             )
         level, vbits = detect_x86_level(_read_cpuinfo() if cpuinfo is None else cpuinfo, path)
@@ -227,7 +263,7 @@ def detect_x86_level(cpuinfo: str, path: Path | str = "/proc/cpuinfo") -> tuple[
     """(LLVM CPU name, vector bits) of the highest x86-64 level the flags cover."""
     flags = cpu_flags(cpuinfo)
     if not flags or "lm" not in flags:
-        raise ValueError(
+        raise TargetError(
             f"{path}: 'host' needs an x86-64 build machine, but /proc/cpuinfo lists no x86-64 flags"
         )
     for level, needs, vbits in _X86_LEVELS:
@@ -245,7 +281,7 @@ class _Reader:
     def __init__(self, path: Path, table: Any, prefix: str) -> None:
         self.path, self.prefix = path, prefix
         if not isinstance(table, dict):
-            raise ValueError(
+            raise TargetError(
                 f"{path}: field '{prefix.rstrip('.')}' must be a table, got {_tname(table)}"
             )
         self.t = table
@@ -253,8 +289,8 @@ class _Reader:
     def field(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
-    def fail(self, key: str, msg: str) -> ValueError:
-        return ValueError(f"{self.path}: field '{self.field(key)}' {msg}")
+    def fail(self, key: str, msg: str) -> TargetError:
+        return TargetError(f"{self.path}: field '{self.field(key)}' {msg}")
 
     def only(self, allowed: set[str]) -> None:
         extra = sorted(set(self.t) - allowed)

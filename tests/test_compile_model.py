@@ -1,5 +1,6 @@
 """Whole-model compilation through TVM Relax: compiled == QAT model bit for bit on the whole
-test set (norm model and SNN), tie rounding at both float -> int boundaries, the cache."""
+test set (norm model and SNN), tie rounding at both float -> int boundaries, the cache,
+byte-identical libraries from cold compiles."""
 
 from dataclasses import replace
 
@@ -97,6 +98,14 @@ def test_second_compile_is_a_cache_hit_and_fast(mixer, monkeypatch):
     monkeypatch.setattr("compilers.tvm.graph.export", no_export)  # the model key finds it first
     again = compile_model(model, model.example_input())
     assert again.cache_hit and again.seconds < 1.0 and again.library == first.library
+
+
+def test_cold_compiles_into_two_empty_caches_give_the_same_library(mixer, tmp_path, monkeypatch):
+    model, _, first = mixer
+    monkeypatch.setenv("QNORM_CACHE", str(tmp_path))
+    again = compile_model(model, model.example_input())
+    assert not again.cache_hit and again.library.is_relative_to(tmp_path)
+    assert again.library.read_bytes() == first.library.read_bytes()
 
 
 def test_model_key_follows_weights_buffers_and_code_origin(mixer):

@@ -8,9 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from cache_damage import DAMAGES
 from torch.utils.data import TensorDataset
 
-from compilers.tvm.graph import load_compiled, sha256_file
+from compilers import cache
+from compilers.tvm.build import cache_dir
+from compilers.tvm.graph import compile_target, load_compiled, model_key, sha256_file
 from qnorm.cli import main
 from qnorm.train.checkpoint import load_checkpoint, save_checkpoint
 from qnorm.train.data import load_digits_data
@@ -61,6 +64,47 @@ def test_x86_alias_recompiles_from_the_cache(checkpoint, compiled_dir, tmp_path,
     assert (tmp_path / "again" / "model.so").read_bytes() == (compiled_dir / "model.so").read_bytes()
 
 
+def recompile_and_check(checkpoint, compiled_dir, out, capsys) -> str:
+    """`qnorm compile` again into ``out``: its library must be the clean build's, byte for
+    byte, and give the QAT model's outputs; returns how it was obtained ("compiled" or
+    "cache hit")."""
+    path, x = checkpoint
+    assert main(["compile", str(path), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads((out / "model.json").read_text())["library"]["sha256"]
+    assert written == sha256_file(out / "model.so") == sha256_file(compiled_dir / "model.so")
+    model, _ = load_checkpoint(path)
+    with torch.no_grad():
+        want = model(x).numpy()
+    assert np.array_equal(load_compiled(out)(x.numpy()), want)
+    return "compiled" if "  compiled for x86_64" in printed else "cache hit"
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
+def test_a_damaged_cached_library_is_compiled_again_never_written_out(
+    checkpoint, compiled_dir, tmp_path, capsys, caplog, damage
+):
+    """The reported failure: one flipped bit in the cached model.so was a 'cache hit' whose
+    library was written out with its own sha256 and disagreed with the QAT model."""
+    library_key = json.loads((compiled_dir / "model.json").read_text())["cache_key"]
+    entry = cache_dir() / "models" / library_key
+    spoil, words = DAMAGES[damage]
+    spoil(entry, "model.so")
+    assert recompile_and_check(checkpoint, compiled_dir, tmp_path / "again", capsys) == "compiled"
+    assert str(entry) in caplog.text and words in caplog.text
+
+
+def test_a_garbled_model_index_is_written_again_and_finds_the_library(checkpoint, compiled_dir, tmp_path, capsys, caplog):
+    path, _ = checkpoint
+    model, _ = load_checkpoint(path)
+    index = cache_dir() / "models" / f"index-{model_key(model, model.example_input(), compile_target('x86_64'))}"
+    spoil, words = DAMAGES["garbled-manifest"]
+    spoil(index, "index.json")
+    assert recompile_and_check(checkpoint, compiled_dir, tmp_path / "again", capsys) == "cache hit"
+    assert str(index) in caplog.text and words in caplog.text
+    assert cache.lookup(index) is not None  # written again: the next compile needs no export
+
+
 @pytest.mark.parametrize(
     "target, message",
     [("aarch64", "target 'aarch64' is not supported by compile yet"), ("vax", "unknown target 'vax'; known targets: ")],
@@ -98,9 +142,9 @@ def test_transformer_checkpoint_is_refused_naming_softmax_and_gelu(tmp_path, cap
     model = build_model("transformer", norm="int_ln")
     model.train()(torch.randn(8, 8, 8))  # calibrate the integer norms
     path = save_checkpoint(model, tmp_path / "transformer")
-    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 2
+    assert main(["compile", str(path), "-o", str(tmp_path / "out")]) == 1  # refused: an error, not a usage error
     err = capsys.readouterr().err
-    assert "not deployable bit-exactly" in err
+    assert "qnorm compile: error: model is not deployable bit-exactly" in err
     assert "blocks.0.attn: aten._softmax (softmax) has no exact float form" in err
     assert "blocks.0: aten.gelu (GELU) has no exact float form" in err
     assert "embed: the weights are not on a coarse power-of-two grid" in err  # Int8WeightPerTensorFloat

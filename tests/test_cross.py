@@ -3,10 +3,10 @@
 One case per op family is checked bit for bit (``np.array_equal``) on both
 targets on the edge, exhaustive and random vectors of ``qnorm verify``; a
 kernel whose rows need a heap workspace exercises the harness's runtime
-functions.  The error paths: a target that is not a cross target, an unknown
-one, missing tools (the reason names the Debian packages), a corrupted cached
-executable, an executable that does not run and a kernel that raises.  The whole
-catalogue on both targets is ``slow``.
+functions.  A damaged cached executable is linked again, never run.  The error
+paths: a target that is not a cross target, an unknown one, missing tools (the
+reason names the Debian packages), an executable that does not run and a kernel
+that raises.  The whole catalogue on both targets is ``slow``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cache_damage import DAMAGES
 
 pytest.importorskip("tvm")
 
+from compilers import toolchains
+from compilers import cache
 from compilers.tvm import cross
 from compilers.tvm.kernels import kernel_for
 from qnorm.cli import main
@@ -138,28 +141,41 @@ def test_key_covers_the_harness_source(tmp_path: Path, monkeypatch: pytest.Monke
 # --------------------------------------------------------------------------- cache and failures
 
 
-def test_cache_hit_and_corruption(private_cache: Path) -> None:
+def test_cache_hit(private_cache: Path) -> None:
     _require_tools("riscv64")
     kernel = _small_kernel()
     first = cross.executable(kernel, "riscv64")
     assert not first.cache_hit and first.path.is_relative_to(private_cache)
     assert cross.executable(kernel, "riscv64").cache_hit
-    data = bytearray(first.path.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    first.path.write_bytes(bytes(data))
-    with pytest.raises(cross.CrossError, match="riscv64: cached executable .* is corrupted"):
-        cross.executable(kernel, "riscv64")
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_executable_is_linked_again_never_run(private_cache: Path, caplog, damage: str) -> None:
+    _require_tools("riscv64")
+    case = case_named("int_layernorm.int8.n7.half_even")
+    kernel = kernel_for(case.build())
+    first = cross.executable(kernel, "riscv64")
+    clean = cache.sha256_file(first.path)
+    spoil, words = DAMAGES[damage]
+    spoil(first.path.parent, first.path.name)
+    compiled = cross.cross_build(kernel, "riscv64")
+    assert not compiled.built.cache_hit and compiled.built.path == first.path
+    assert cache.sha256_file(compiled.built.path) == clean  # the clean link's bytes
+    assert str(first.path.parent) in caplog.text and words in caplog.text
+    batch = next(iter(run_batches(case, 1000, seed=7)))
+    assert np.array_equal(compiled(batch.x), case.build().forward(batch.x))
 
 
 def test_executable_that_does_not_run_is_an_error(private_cache: Path) -> None:
     _require_tools("aarch64")
     kernel = _small_kernel()
     compiled = cross.cross_build(kernel, "aarch64")
-    # a consistent entry (digest matches) whose bytes are no program: qemu fails
-    compiled.built.path.write_bytes(b"not an ELF file")
-    digest = cross._sha256_file(compiled.built.path)
-    compiled.built.path.with_name(compiled.built.path.name + ".sha256").write_text(digest)
+    # a consistent entry (its digests match) whose bytes are no program: qemu fails
+    entry = compiled.built.path.parent
+    cache.remove(entry)
+    cache.publish(entry, lambda d: (d / compiled.built.path.name).write_bytes(b"not an ELF file"))
     again = cross.cross_build(kernel, "aarch64")
+    assert again.built.cache_hit
     with pytest.raises(cross.CrossError, match=r"aarch64: `qemu-aarch64 .*` exited with status"):
         again(np.zeros((1, 7), dtype=np.int64))
 
@@ -200,7 +216,7 @@ def test_verify_columns(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_verify_column_skips_without_tools(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cross.shutil, "which", lambda name: None)
+    monkeypatch.setattr(toolchains.shutil, "which", lambda name: None)
     reason = backends.get("riscv64").unavailable()
     assert "riscv64-linux-gnu-gcc" in reason and "gcc-riscv64-linux-gnu" in reason
 

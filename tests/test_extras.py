@@ -4,6 +4,7 @@ missing, and the package data is found through importlib.resources."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from qnorm.extras import (
     require,
 )
 from qnorm.targets import known_targets
+from qnorm.train.checkpoint_meta import FORMAT, META, VERSION
 from qnorm.verify import harness
 from qnorm.verify.cases import case_named
 
@@ -89,12 +91,17 @@ def test_the_command_names_the_extra_of_a_missing_module(tmp_path, blocked, argv
         "from qnorm.cli import main; sys.exit(main(sys.argv[2:]))"
     )
     args = [a.format(tmp=tmp_path) for a in argv]
+    if argv[0] == "compile":  # a checkpoint whose meta.json reads: the arguments pass, the import fails
+        (tmp_path / "ckpt").mkdir()
+        meta = {"format": FORMAT, "version": VERSION, "model": {}, "model_checksums": {}, "metadata": {},
+                "modules": {}, "weights": {}}
+        (tmp_path / "ckpt" / META).write_text(json.dumps(meta))
     done = subprocess.run(
         [sys.executable, "-c", code, blocked, *args], capture_output=True, text=True, cwd=REPO, timeout=120, check=False
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"qnorm: error: the optional dependency {blocked!r} is not installed: pip install 'qnorm[{extra}]'"
+        f"qnorm {argv[0]}: error: the optional dependency {blocked!r} is not installed: pip install 'qnorm[{extra}]'"
     )
     assert not (tmp_path / "out").exists() and not (tmp_path / "train").exists()
 

@@ -19,6 +19,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
+from compilers import toolchains
 from compilers.tvm.build import non_integer_dtypes, tvm_target
 from compilers.tvm.gpu import GPU, MAX_BLOCK_THREADS, Launch, column_threads, lower
 from compilers.tvm.kernels import kernel_for
@@ -210,16 +211,14 @@ def test_missing_opencl_platform_is_named(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_verify_columns_opencl_runs_cuda_compiles_or_runs() -> None:
     opencl_or_skip()
-    from compilers.tvm import cuda
-
-    if cuda.nvcc_unavailable():
-        pytest.skip(cuda.nvcc_unavailable())
+    if toolchains.nvcc_unavailable():
+        pytest.skip(toolchains.nvcc_unavailable())
     columns = harness.resolve_columns(["opencl", "cuda"])
     report = harness.verify([case_named("int_rmsnorm.int8.n64")], columns, 2000)
     cells = report.cases[0].cells
     assert cells["opencl"].status == harness.OK and cells["opencl"].vectors > 0
     assert "PoCL" in cells["opencl"].via
-    if cuda.gpu_compute_capability() is None:
+    if toolchains.gpu_compute_capability() is None:
         assert cells["cuda"].status == harness.COMPILED
         assert (
             cells["cuda"].reason

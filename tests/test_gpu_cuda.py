@@ -12,15 +12,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cache_damage import DAMAGES
 
 pytest.importorskip("tvm")
 
+from compilers import toolchains
+from compilers.cache import MANIFEST, sha256_file
 from compilers.tvm import cuda
 from compilers.tvm.gpu import GPU
 from compilers.tvm.kernels import kernel_for
@@ -39,8 +43,8 @@ REPRESENTATIVE = (
     "mpbn_lif.int8.c16.hard.ge.leak0875",
 )
 
-if cuda.nvcc_unavailable():
-    pytest.skip(cuda.nvcc_unavailable(), allow_module_level=True)
+if toolchains.nvcc_unavailable():
+    pytest.skip(toolchains.nvcc_unavailable(), allow_module_level=True)
 
 
 def load_script(name: str):
@@ -97,9 +101,39 @@ def test_compile_cache_hits_on_the_same_source(
     assert not cold.cache_hit and warm.cache_hit and warm.stem == cold.stem
     assert warm.stem.parent.parent == tmp_path / "cuda"
     assert sorted(p.name for p in warm.stem.parent.iterdir()) == [
-        "kernel.cu", "kernel.sm_80.cubin", "kernel.sm_80.ptx", "kernel.sm_90.cubin", "kernel.sm_90.ptx"
+        MANIFEST, "kernel.cu", "kernel.sm_80.cubin", "kernel.sm_80.ptx", "kernel.sm_90.cubin", "kernel.sm_90.ptx"
     ]  # fmt: skip
     assert warm.seconds < cold.seconds
+
+
+@pytest.fixture(scope="module")
+def clean_nvcc_entry(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A kernel's CUDA source and its nvcc cache entry, built once (the damage tests copy it)."""
+    source = cuda.device_module(kernel_for(case_named("bn_quant.int8.c16.relu4").build(), GPU)).source
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("QNORM_CACHE", str(tmp_path_factory.mktemp("nvcc-cache")))
+        return source, cuda.compile_source(source).stem.parent
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_nvcc_outputs_are_compiled_again_never_served(
+    clean_nvcc_entry: tuple[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+) -> None:
+    source, clean_entry = clean_nvcc_entry
+    monkeypatch.setenv("QNORM_CACHE", str(tmp_path))
+    entry = shutil.copytree(clean_entry, cuda.cuda_cache_dir() / clean_entry.name)
+    clean = {p.name: sha256_file(p) for p in entry.iterdir()}
+    spoil, words = DAMAGES[damage]
+    spoil(entry, "kernel.sm_90.cubin")
+    again = cuda.compile_source(source)
+    assert not again.cache_hit and again.stem == entry / "kernel"
+    assert {p.name: sha256_file(p) for p in again.files} == {p.name: clean[p.name] for p in again.files}
+    assert str(entry) in caplog.text and words in caplog.text
+    check_binaries(again)
 
 
 def test_nvcc_error_carries_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,8 +145,32 @@ def test_nvcc_error_carries_the_command(tmp_path: Path, monkeypatch: pytest.Monk
     assert "error" in str(err.value)
 
 
-def test_harness_builds_here(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cuda.build_harness(tmp_path_factory.mktemp("harness"))
+
+
+def test_harness_builds_here(harness: Path) -> None:
+    done = subprocess.run([str(harness)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "usage:" in done.stderr
+
+
+def test_a_damaged_harness_is_built_again(
+    harness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nvcc stands in as a copy of the clean build (a real harness build takes half a minute)."""
+    entry = shutil.copytree(harness.parent, tmp_path / harness.parent.name)
+    DAMAGES["flipped-byte"][0](entry, harness.name)
+    builds = []
+
+    def nvcc(cmd: list[str]) -> None:
+        builds.append(cmd)
+        shutil.copy2(harness, cmd[cmd.index("-o") + 1])
+
+    monkeypatch.setattr(cuda, "run_nvcc", nvcc)
     exe = cuda.build_harness(tmp_path)
+    assert len(builds) == 1 and exe == entry / harness.name and str(entry) in caplog.text
+    assert sha256_file(exe) == sha256_file(harness)
     done = subprocess.run([str(exe)], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "usage:" in done.stderr
 
@@ -252,7 +310,7 @@ def test_gpu_check_prepare(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", REPRESENTATIVE)
 def test_cuda_kernel_on_the_gpu(name: str) -> None:
-    if cuda.gpu_compute_capability() is None:
+    if toolchains.gpu_compute_capability() is None:
         pytest.skip("no CUDA GPU (nvidia-smi lists none): the kernels are compiled, not run")
     case = case_named(name)
     op = case.build()

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cache_damage import DAMAGES
 
 pytest.importorskip("tvm")
 
+from compilers.cache import sha256_file
 from compilers.fpga import csource
 from compilers.fpga.csim import build_csim, run_testbench
 from compilers.fpga.hls import top_spec, write_hls_project, write_hls_projects
@@ -359,3 +361,20 @@ def test_csim_builds_are_cached_by_content(tmp_path, monkeypatch, target) -> Non
     changed = build_csim(project, target)
     assert not changed.cache_hit and changed.binary != first.binary
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+@needs_gcc
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_csim_binary_is_compiled_again_never_run(tmp_path, monkeypatch, caplog, target, damage) -> None:
+    monkeypatch.setenv("QNORM_CACHE", str(tmp_path / "cache"))
+    project = write_hls_project(case_named("multithreshold.int8.c1.relu4.negative_gamma").build(), tmp_path / "p", target=target)
+    first = build_csim(project, target)
+    clean = sha256_file(first.binary)
+    spoil, words = DAMAGES[damage]
+    spoil(first.binary.parent, first.binary.name)
+    again = build_csim(project, target)
+    assert not again.cache_hit and again.binary == first.binary
+    assert sha256_file(again.binary) == clean  # the clean build's bytes
+    assert str(first.binary.parent) in caplog.text and words in caplog.text
+    done = run_testbench(again.binary, project / csource.VECTORS)
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stderr

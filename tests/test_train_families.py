@@ -78,7 +78,7 @@ def test_families_resolve_their_own_kinds():
 
 def test_cli_refuses_an_unknown_family_before_training(tmp_path, capsys):
     assert main(["train", "--family", "mlp", "--quick", "--out", str(tmp_path / "out")]) == 2
-    assert "qnorm: error: unknown model family 'mlp'" in capsys.readouterr().err
+    assert "qnorm train: error: unknown model family 'mlp'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

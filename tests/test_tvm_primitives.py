@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from cache_damage import DAMAGES
 
 tvm = pytest.importorskip("tvm")
 from tvm import te
 
 import compilers.tvm.build as build_mod
+from compilers.cache import CACHE_ENV, sha256_file
 from compilers.tvm.build import build, cache_dir, dtypes_used, non_integer_dtypes
 from compilers.tvm.cpu import schedule_rowwise
 from compilers.tvm.primitives import elementwise_func, staged_compute
@@ -40,7 +42,7 @@ def host():
 @pytest.fixture(scope="module", autouse=True)
 def fresh_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(build_mod.CACHE_ENV, str(tmp_path_factory.mktemp("qnorm-cache")))
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("qnorm-cache")))
         yield
 
 
@@ -367,11 +369,11 @@ def _fresh_kernel():
 
 
 def test_second_build_is_a_cache_hit(host, monkeypatch, tmp_path):
-    monkeypatch.setenv(build_mod.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     assert cache_dir() == tmp_path / "tvm"
     first = build(_fresh_kernel(), host)
     assert not first.cache_hit
-    assert first.path.parent == tmp_path / "tvm" and first.path.exists()
+    assert first.path.parent.parent == tmp_path / "tvm" and first.path.exists()
 
     def no_compile(*args, **kwargs):
         raise AssertionError("cache hit must not compile")
@@ -387,6 +389,21 @@ def test_second_build_is_a_cache_hit(host, monkeypatch, tmp_path):
 
     v, s = rows(*shift_inputs(np.random.default_rng(RNG_SEED)))
     assert_bit_exact(run(second, v, s), fp.rshift_round(v, s, Round.HALF_AWAY) + 3, v, s)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_library_is_built_again_never_loaded(host, monkeypatch, tmp_path, caplog, damage):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    first = build(_fresh_kernel(), host)
+    clean = sha256_file(first.path)
+    spoil, words = DAMAGES[damage]
+    spoil(first.path.parent, first.path.name)
+    again = build(_fresh_kernel(), host)
+    assert not again.cache_hit and again.path == first.path
+    assert sha256_file(again.path) == clean  # the clean build's bytes (the kernel build is reproducible)
+    assert str(first.path.parent) in caplog.text and words in caplog.text
+    v, s = rows(*shift_inputs(np.random.default_rng(RNG_SEED)))
+    assert_bit_exact(run(again, v, s), fp.rshift_round(v, s, Round.HALF_AWAY) + 3, v, s)
 
 
 def test_cache_key_depends_on_module_and_target(host):

@@ -1,19 +1,18 @@
 """C simulation of an HLS project: gcc builds testbench + top + kernel, then it runs.
 
-Binaries are cached by content hash in ``$QNORM_CACHE/hls`` (default
+Binaries are cached by content hash in ``$QNORM_CACHE/hls/<key>/`` (default
 ``~/.cache/qnorm/hls``): the key is the SHA-256 of every C source and header of
 the project, the compiler and its flags, so the same project is compiled once
 per machine and any change to a source misses.  The vectors file is read at run
-time and is not part of the key.  A binary is written under a private name and
-renamed into place, so concurrent builds (pytest-xdist) never run a half-written
-one; the compiler's messages are stored next to it.
+time and is not part of the key.  The binary and the compiler's messages are one
+:mod:`compilers.cache` entry: written whole (concurrent builds never run a
+half-written binary) and checked against their SHA-256 on every hit (a damaged
+binary is compiled again, never run).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -22,12 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
+from compilers import cache
 from compilers.fpga import csource
 from compilers.fpga.vectors import read_outputs, write_vectors
+from compilers.toolchains import compiler_unavailable
 from compilers.tvm.build import cache_dir as tvm_cache_dir
 from qnorm.targets import Target
 
-_KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
+_KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
+BINARY, LOG = "qnorm_tb", "compiler.log"
 _HEADERS = (csource.TOP_H, csource.ABI_H)
 
 
@@ -42,19 +44,12 @@ class Csim:
     binary: Path
     compiler_output: str  # gcc's warnings (empty when clean)
     cache_hit: bool
-    seconds: float  # compile on a miss, lookup on a hit
+    seconds: float  # compile on a miss, digest check on a hit
 
 
 def cache_dir() -> Path:
     """``$QNORM_CACHE/hls``: next to the TVM build cache, read at each call."""
     return tvm_cache_dir().parent / "hls"
-
-
-def compiler_unavailable(target: Target) -> str | None:
-    """None if the target's C compiler is on PATH, else why the simulation cannot run."""
-    if shutil.which(target.build.cc) is None:
-        return f"unavailable: C compiler {target.build.cc!r} (build.cc of {target.path.name}) is not on PATH"
-    return None
 
 
 def cache_key(project: Path, target: Target) -> str:
@@ -72,23 +67,17 @@ def build_csim(project: Path, target: Target) -> Csim:
         raise CsimError(reason)
     project = Path(project)
     start = time.perf_counter()
-    key = cache_key(project, target)
-    binary = cache_dir() / key / "qnorm_tb"
-    log = binary.with_name("compiler.log")
-    if binary.exists():
-        return Csim(binary, log.read_text(), True, time.perf_counter() - start)
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    tmp = binary.with_name(f"qnorm_tb.{os.getpid()}.tmp")
-    command = [target.build.cc, *target.build.cflags, "-o", str(tmp), *csource.CSIM_SOURCES]
+    entry = cache.cached(cache_dir() / cache_key(project, target), lambda d: _compile(project, target, d))
+    return Csim(entry / BINARY, (entry / LOG).read_text(), entry.hit, time.perf_counter() - start)
+
+
+def _compile(project: Path, target: Target, directory: Path) -> None:
+    """The testbench binary and the compiler's messages, into ``directory``."""
+    command = [target.build.cc, *target.build.cflags, "-o", str(directory / BINARY), *csource.CSIM_SOURCES]
     done = subprocess.run(command, check=False, cwd=project, capture_output=True, text=True)
     if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
         raise CsimError(f"C simulation build failed ({' '.join(command)} in {project}):\n{done.stderr}")
-    log_tmp = log.with_name(f"compiler.{os.getpid()}.tmp")
-    log_tmp.write_text(done.stderr)
-    os.replace(log_tmp, log)  # the log first: a binary present means its log is too
-    os.replace(tmp, binary)
-    return Csim(binary, done.stderr, False, time.perf_counter() - start)
+    (directory / LOG).write_text(done.stderr)
 
 
 def run_testbench(binary: Path, vectors: Path, outputs: Path | None = None) -> subprocess.CompletedProcess:

@@ -3,9 +3,11 @@
 The cache key is the SHA-256 of the module's TVMScript text (metadata included),
 the resolved TVM target, the linker and its flags, and the TVM version: the same
 kernel for the same target is compiled once per machine, and any change to the
-kernel, the target or TVM misses.  Entries are ``export_library`` shared objects
-in ``$QNORM_CACHE/tvm`` (default ``~/.cache/qnorm/tvm``); loading one takes well
-under a millisecond.
+kernel, the target or TVM misses.  Entries are ``export_library`` shared objects,
+``$QNORM_CACHE/tvm/<key>/kernel.so`` (default ``~/.cache/qnorm/tvm``), written
+and checked by :mod:`compilers.cache` (a library that no longer matches its
+recorded SHA-256 is built again); checking and loading one takes about a
+millisecond.
 
 :func:`build` refuses kernels that use a non-integer dtype anywhere (qnorm kernels
 are integer by contract); :func:`dtypes_used` is the walker behind that check.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,11 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from compilers import cache
 from qnorm.targets import Target
 
-CACHE_ENV = "QNORM_CACHE"
-_KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
+_KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
+LIBRARY = "kernel.so"
 _LINKABLE_KINDS = ("llvm", "c")
 
 
@@ -40,7 +42,7 @@ class Built:
     path: Path
     key: str
     cache_hit: bool
-    seconds: float  # compile + export on a miss, load on a hit
+    seconds: float  # compile + export + load on a miss, digest check + load on a hit
 
     def __getitem__(self, name: str) -> Any:
         return self.module[name]
@@ -51,8 +53,7 @@ class Built:
 
 def cache_dir() -> Path:
     """Where compiled libraries live (``$QNORM_CACHE/tvm``, read at each call)."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "qnorm"
-    return Path(root) / "tvm"
+    return cache.cache_root() / "tvm"
 
 
 def tvm_target(target: Target) -> tvm.target.Target:
@@ -106,19 +107,15 @@ def build(mod: tirx.PrimFunc | tvm.IRModule, target: Target, *, allow_float: boo
             )
 
     key = cache_key(mod, target)
-    path = cache_dir() / f"{key}.so"
     start = time.perf_counter()
-    hit = path.exists()
-    if not hit:
-        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(directory: Path) -> None:
         executable = tvm.compile(mod, target=tvm_target(target))
-        # Export under a private name, then rename: a concurrent build of the same
-        # key (pytest-xdist workers) never sees a half-written library.
-        tmp = path.with_name(f"{key}.{os.getpid()}.tmp.so")
-        executable.export_library(str(tmp), cc=target.build.cc, options=list(target.build.cflags))
-        os.replace(tmp, path)
-    module = tvm.runtime.load_module(str(path))
-    return Built(module, path, key, hit, time.perf_counter() - start)
+        executable.export_library(str(directory / LIBRARY), cc=target.build.cc, options=list(target.build.cflags))
+
+    entry = cache.cached(cache_dir() / key, export)
+    module = tvm.runtime.load_module(str(entry / LIBRARY))
+    return Built(module, entry / LIBRARY, key, entry.hit, time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- dtypes

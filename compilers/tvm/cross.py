@@ -10,21 +10,20 @@ reporting) and writes the output.  With ``-static`` in the target's
 ``build.cflags`` the executable carries its libc, so qemu-user needs nothing
 from the target's sysroot.
 
-Executables are cached like :mod:`compilers.tvm.build`'s libraries, under
-``$QNORM_CACHE/tvm/cross``, keyed by that module's cache key (kernel text, TVM
-target, cc, cflags, TVM version) plus the harness source and the compile flags.
-A sidecar ``.sha256`` records each executable's digest; an entry whose bytes no
-longer match it is an error, never a silently wrong result.
+Executables are cached like :mod:`compilers.tvm.build`'s libraries, as
+``$QNORM_CACHE/tvm/cross/<target>-<key>/kernel``, keyed by that module's cache
+key (kernel text, TVM target, cc, cflags, TVM version) plus the harness source
+and the compile flags.  They are :mod:`compilers.cache` entries: an executable
+whose bytes no longer match the SHA-256 recorded when it was linked is linked
+again, never run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shlex
-import shutil
 import struct
 import subprocess
 import tempfile
@@ -39,12 +38,16 @@ import tvm
 import tvm.libinfo
 import tvm_ffi.libinfo
 
+from compilers.toolchains import cross_tools_missing
+from compilers import cache
+from compilers.cache import sha256_file
 from compilers.tvm.build import cache_dir, cache_key, non_integer_dtypes, tvm_target
 from compilers.tvm.kernels import CompiledKernel, Kernel
 from qnorm.targets import Target, load_target
 
 HARNESS = Path(__file__).resolve().parent / "harness" / "cross_main.c"
-_KEY_FORMAT = 1  # bump when the key recipe, the entry layout or the file protocol changes
+_KEY_FORMAT = 2  # bump when the key recipe, the entry layout or the file protocol changes
+EXECUTABLE = "kernel"
 _CFLAGS = ("-O2", "-std=c11")
 _MAGIC = b"QNXT"  # the arguments file of harness/cross_main.c
 # The runtime entry points the harness installs (TVM's context pointers).
@@ -90,32 +93,12 @@ def cross_target(target: Target | str) -> Target:
     return target
 
 
-def _static(target: Target) -> bool:
-    return "-static" in target.build.cflags
-
-
 def missing_tools(target: Target | str) -> str | None:
     """None when this machine can build and run ``target``'s kernels, else what is missing."""
-    target = cross_target(target)
-    needs = [
-        (target.build.cc, shutil.which(target.build.cc) is not None, target.build.debian_packages),
-        (target.run.emulator, shutil.which(target.run.emulator) is not None, target.run.debian_packages),
-    ]
-    libc = Path(target.run.sysroot, "lib", "libc.a" if _static(target) else "libc.so.6")
-    needs.append((str(libc), libc.exists(), target.build.debian_packages))
-    missing = [(what, pkgs) for what, found, pkgs in needs if not found]
-    if not missing:
-        return None
-    what = ", ".join(w for w, _ in missing)
-    pkgs = " ".join(dict.fromkeys(p for _, ps in missing for p in ps))
-    return f"{what} not found (Debian: apt-get install {pkgs})"
+    return cross_tools_missing(cross_target(target))
 
 
 # --------------------------------------------------------------------------- build
-
-
-def _sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _include_dirs() -> list[str]:
@@ -127,7 +110,7 @@ def executable_key(kernel: Kernel, target: Target) -> str:
     recipe = {
         "format": _KEY_FORMAT,
         "module": cache_key(kernel.mod, target),  # kernel text, TVM target, cc, cflags, TVM version
-        "harness": _sha256_file(HARNESS),
+        "harness": sha256_file(HARNESS),
         "flags": list(_CFLAGS),
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
@@ -137,31 +120,14 @@ def executable(kernel: Kernel, target: Target | str) -> CrossBuilt:
     """The kernel's executable for ``target``, from the cache or compiled and linked now."""
     target = cross_target(target)
     key = executable_key(kernel, target)
-    path = cache_dir() / "cross" / f"{target.name}-{key}"
-    digest_path = path.with_name(path.name + ".sha256")
     start = time.perf_counter()
-    if path.exists() and digest_path.exists():
-        recorded, actual = digest_path.read_text().strip(), _sha256_file(path)
-        if actual != recorded:
-            raise CrossError(
-                f"{target.name}: cached executable {path} is corrupted (sha256 {actual}, recorded "
-                f"{recorded}); delete it to rebuild"
-            )
-        return CrossBuilt(path, key, True, time.perf_counter() - start)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a private directory next to the entry, then rename: a concurrent
-    # build of the same key (pytest-xdist workers) never sees a half-written file.
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{target.name}-") as tmp:
-        exe = _link(kernel, target, Path(tmp))
-        digest = _sha256_file(exe)
-        os.replace(exe, path)
-        (Path(tmp) / "digest").write_text(digest + "\n")
-        os.replace(Path(tmp) / "digest", digest_path)
-    return CrossBuilt(path, key, False, time.perf_counter() - start)
+    entry = cache.cached(cache_dir() / "cross" / f"{target.name}-{key}", lambda d: _link(kernel, target, d))
+    return CrossBuilt(entry / EXECUTABLE, key, entry.hit, time.perf_counter() - start)
 
 
-def _link(kernel: Kernel, target: Target, tmp: Path) -> Path:
-    """Compile the kernel to an object for ``target`` and link it with the harness in ``tmp``."""
+def _link(kernel: Kernel, target: Target, directory: Path) -> None:
+    """Compile the kernel to an object for ``target`` and link it with the harness into
+    ``directory`` (the entry holds the executable only)."""
     bad = non_integer_dtypes(kernel.mod)
     if bad:
         raise ValueError(f"kernel uses non-integer dtypes {sorted(bad)}; qnorm kernels are integer-only")
@@ -177,16 +143,16 @@ def _link(kernel: Kernel, target: Target, tmp: Path) -> Path:
             f"{target.name}: the kernel object needs runtime entry points the harness does not "
             f"provide: {', '.join(sorted(needed))}"
         )
-    obj, exe = tmp / "kernel.o", tmp / "kernel"
+    obj, exe = directory / "kernel.o", directory / EXECUTABLE
     module.write_to_file(str(obj))
     includes = [f"-I{d}" for d in _include_dirs()]
     cmd = [target.build.cc, *_CFLAGS, *target.build.cflags, *includes, str(HARNESS), str(obj), "-o", str(exe)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace")
+    obj.unlink()
     if done.returncode != 0:
         raise CrossError(
             f"{target.name}: linking failed (exit {done.returncode}): {shlex.join(cmd)}\n{done.stderr.strip()}"
         )
-    return exe
 
 
 # --------------------------------------------------------------------------- run

@@ -4,8 +4,10 @@
   (TVM's own build steps, see :func:`compilers.tvm.gpu.lower`) and compiles the
   source with nvcc to PTX and to a cubin for every architecture the target
   lists (``run.compile_args``: ``-arch=sm_80``, ``-arch=sm_90``).  Results are
-  cached by content hash under ``$QNORM_CACHE/cuda``; a failing nvcc raises
-  :class:`NvccError` with the command line and nvcc's message.
+  cached by content hash under ``$QNORM_CACHE/cuda`` as :mod:`compilers.cache`
+  entries (checked against their SHA-256 on every hit, rebuilt when damaged);
+  a failing nvcc raises :class:`NvccError` with the command line and nvcc's
+  message.
 * The launch geometry (grid and block of every kernel function, in launch
   order, as expressions of ``rows``/``steps``) comes with the source, so
   something other than TVM can launch it: ``compilers/tvm/harness/gpu_harness.cu``, a small
@@ -20,11 +22,11 @@ are compiled, never run (the same schedule runs on PoCL, :mod:`.opencl`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -32,12 +34,13 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from compilers import cache
+from compilers.toolchains import NVCC
 from compilers.tvm.build import cache_dir as tvm_cache_dir
 from compilers.tvm.build import tvm_target
 from compilers.tvm.gpu import GPU, DeviceKernel, DeviceModule, Launch, lower
@@ -45,11 +48,11 @@ from compilers.tvm.kernels import CompiledKernel, Kernel, kernel_for
 from qnorm.targets import Target, load_target
 
 TARGET = "cuda"
-NVCC = "nvcc"
 OUTPUTS = ("ptx", "cubin")  # what nvcc makes of the source, for every architecture
 HARNESS_FLAGS = ("-O2", "-std=c++17")
 HARNESS_SOURCE = Path(__file__).resolve().parent / "harness" / "gpu_harness.cu"  # package data
-_KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
+_KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
+HARNESS = "gpu_harness"
 _ARCH = re.compile(r"^-arch=(sm_\d+a?)$")
 
 
@@ -57,7 +60,7 @@ class NvccError(RuntimeError):
     """nvcc failed; the message holds the command line and nvcc's output."""
 
 
-@cache
+@functools.cache
 def cuda_target() -> Target:
     return load_target(TARGET)
 
@@ -75,34 +78,12 @@ def nvcc_flags(target: Target) -> tuple[str, ...]:
     return tuple(a for a in target.run.compile_args if not _ARCH.match(a))
 
 
-def nvcc_unavailable() -> str | None:
-    """None if nvcc runs here, else what is missing."""
-    if shutil.which(NVCC) is None:
-        return f"{NVCC} not found on PATH (the CUDA toolkit compiles the kernels)"
-    return None
-
-
-@cache
+@functools.cache
 def nvcc_version() -> str:
     done = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise NvccError(f"`{NVCC} --version` failed: {done.stderr.strip()}")
     return done.stdout.strip().splitlines()[-1]
-
-
-@cache
-def gpu_compute_capability() -> str | None:
-    """The first CUDA GPU's architecture (``sm_90``), or None when this machine has none."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    done = subprocess.run(
-        ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    caps = done.stdout.split() if done.returncode == 0 else []
-    return f"sm_{caps[0].replace('.', '')}" if caps else None
 
 
 # --------------------------------------------------------------------------- source
@@ -128,7 +109,7 @@ class CudaBinaries:
     stem: Path  # the cache entry's ``kernel``; ``kernel.cu`` is the source
     archs: tuple[str, ...]
     cache_hit: bool
-    seconds: float  # nvcc wall time on a miss, the cache lookup on a hit
+    seconds: float  # nvcc wall time on a miss, the digest check on a hit
 
     @property
     def files(self) -> list[Path]:
@@ -156,20 +137,20 @@ def compile_source(source: str, target: Target | None = None) -> CudaBinaries:
         "source": source,
     }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
-    stem = cuda_cache_dir() / key / "kernel"
     start = time.perf_counter()
-    if all(_output(stem, a, kind).exists() for a in arch_list for kind in OUTPUTS):
-        return CudaBinaries(stem, arch_list, True, time.perf_counter() - start)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    src = stem.with_suffix(".cu")
-    _write_atomic(src, source.encode())
-    with ThreadPoolExecutor(max_workers=len(arch_list)) as pool:
-        list(pool.map(lambda arch: _nvcc(src, arch, flags), arch_list))
-    return CudaBinaries(stem, arch_list, False, time.perf_counter() - start)
+
+    def compile_all(directory: Path) -> None:
+        src = directory / "kernel.cu"
+        src.write_text(source)
+        with ThreadPoolExecutor(max_workers=len(arch_list)) as pool:
+            list(pool.map(lambda arch: _nvcc(src, arch, flags), arch_list))
+
+    entry = cache.cached(cuda_cache_dir() / key, compile_all)
+    return CudaBinaries(entry / "kernel", arch_list, entry.hit, time.perf_counter() - start)
 
 
 def _nvcc(src: Path, arch: str, flags: Sequence[str]) -> None:
-    """PTX and cubin for ``arch`` from one nvcc call, renamed into place when complete.
+    """PTX and cubin for ``arch`` from one nvcc call, next to ``src``.
 
     ``-cubin --keep`` leaves the PTX it assembled the cubin from in the keep
     directory: byte for byte what ``-ptx`` writes, at half the nvcc runs.
@@ -201,12 +182,6 @@ def run_nvcc(cmd: Sequence[str]) -> None:
         raise NvccError(
             f"nvcc failed (exit {done.returncode}): {' '.join(cmd)}\n{done.stderr.strip()}"
         )
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True, eq=False)
@@ -346,16 +321,15 @@ def crc32(a: np.ndarray) -> int:
 
 
 def build_harness(directory: Path | None = None) -> Path:
-    """compilers/tvm/harness/gpu_harness.cu built by nvcc (into ``directory``, default the cache, by source hash)."""
+    """compilers/tvm/harness/gpu_harness.cu built by nvcc: a :mod:`compilers.cache` entry in
+    ``directory`` (default the cache), keyed by the source and nvcc's version."""
     source = HARNESS_SOURCE.read_bytes()
     key = hashlib.sha256(source + nvcc_version().encode()).hexdigest()[:16]
-    exe = (directory or cuda_cache_dir()) / f"gpu_harness-{key}"
-    if not exe.exists():
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        tmp = exe.with_name(f"{exe.name}.{os.getpid()}.tmp")
-        run_nvcc([NVCC, *HARNESS_FLAGS, str(HARNESS_SOURCE), "-o", str(tmp)])
-        os.replace(tmp, exe)
-    return exe
+    entry = cache.cached(
+        (directory or cuda_cache_dir()) / f"{HARNESS}-{key}",
+        lambda d: run_nvcc([NVCC, *HARNESS_FLAGS, str(HARNESS_SOURCE), "-o", str(d / HARNESS)]),
+    )
+    return entry / HARNESS
 
 
 def run_harness(harness: Path, plans: Sequence[Path]) -> subprocess.CompletedProcess:

@@ -13,16 +13,23 @@ it with ``from_exported_program`` and compiles it with ``tvm.compile``.  Each
 Every other node is TVM's own conversion.  ``aten.round`` is legalized to
 ``nearbyint`` (ties to even, like ``torch.round``; the tie tests pin that down).
 
-**Cache.**  Libraries live in ``$QNORM_CACHE/tvm/models/<key>.so``, keyed by the
-SHA-256 of the Relax module's text with its constants, the target and the TVM
+**Cache.**  Libraries live in ``$QNORM_CACHE/tvm/models/<key>/model.so``, keyed by
+the SHA-256 of the Relax module's text with its constants, the target and the TVM
 version.  Computing that key needs the export (seconds), so a second, *model*
-key indexes it for models that :func:`qnorm.train.models.model_spec` describes:
+key indexes it (``models/index-<key>/index.json``) for models that
+:func:`qnorm.train.models.model_spec` describes:
 the SHA-256 of the spec, every module's class, ``extra_repr`` and qnorm
 metadata (the golden ops' integer constants), every state tensor, the input
 signature, the target, the torch / Brevitas / TVM versions and the source text
 of ``qnorm`` and ``compilers`` (any code change misses).  Models with a module
 class from elsewhere get no model key (their code is not hashed).  A recompile
 of the same model reads one JSON file and loads the library: milliseconds.
+Both are :mod:`compilers.cache` entries: every hit is checked against the SHA-256
+recorded when it was written, and one that does not match is built again.
+
+**Reproducible.**  The same module compiles to the same bytes: the Relax pipeline
+is :func:`compilers.tvm.reproducible.relax_pipeline`, which fixes the one order
+TVM leaves to chance.
 
 :meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
 formats, versions, the library's SHA-256, the source checkpoint);
@@ -36,7 +43,6 @@ import importlib
 import importlib.metadata
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -52,21 +58,25 @@ from torch import nn
 from tvm import relax, te, tirx
 from tvm.relax.frontend.torch import from_exported_program
 
+from compilers import cache
+from compilers.cache import sha256_file
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
+from compilers.tvm.reproducible import relax_pipeline
 from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
 from qnorm.deploy.freeze import int_op_info
+from qnorm.errors import DeployError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, load_target
+from qnorm.targets import Target, load_target, not_compiled_for, target_name
 
 FORMAT = "qnorm.compiled"
 VERSION = 1
 LIBRARY = "model.so"
 METADATA = "model.json"
-_KEY_FORMAT = 1  # bump when a key recipe or the cache layout changes
+INDEX = "index.json"  # a model key's cache entry: the library key and the metadata
+_KEY_FORMAT = 2  # bump when a key recipe or the cache layout changes
 HOST_TARGETS = ("x86_64",)  # what compile runs on so far; others come with their runners
-ALIASES = {"x86": "x86_64"}
 _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
 _SOURCE_PACKAGES = ("qnorm", "compilers")
 # Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
@@ -77,12 +87,9 @@ def compile_target(target: str | Target) -> Target:
     """The qnorm target (a name, ``x86`` meaning ``x86_64``, or a loaded Target), if
     ``compile`` supports it yet."""
     if isinstance(target, str):
-        target = load_target(ALIASES.get(target, target))  # unknown: its error lists the known targets
+        target = load_target(target_name(target))  # unknown: its error lists the known targets
     if target.name not in HOST_TARGETS:
-        raise ValueError(
-            f"target {target.name!r} is not supported by compile yet; supported: {', '.join(HOST_TARGETS)} "
-            "(the host CPU: the whole model) and fpga-hls (one HLS project per qnorm layer)"
-        )
+        raise not_compiled_for(target.name)
     return target
 
 
@@ -175,6 +182,7 @@ class CompiledModel:
     metadata: dict[str, Any]
     cache_hit: bool = False  # nothing was compiled: found in the cache (or loaded from a directory)
     seconds: float = 0.0  # compile_model's wall time (freeze .. load), or load_compiled's
+    library_sha256: str | None = None  # as checked when the library was found or built
 
     def __post_init__(self) -> None:
         self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.library)), tvm.cpu())
@@ -198,6 +206,10 @@ class CompiledModel:
         library = directory / LIBRARY
         shutil.copyfile(self.library, library)
         record = {"file": LIBRARY, "bytes": library.stat().st_size, "sha256": sha256_file(library)}
+        if self.library_sha256 is not None and record["sha256"] != self.library_sha256:
+            library.unlink()
+            raise ValueError(f"{self.library} changed since it was checked (sha256 {record['sha256']}, "
+                             f"expected {self.library_sha256}): compile again")
         meta = {**self.metadata, "library": record}
         if source is not None:
             meta["source"] = source
@@ -214,25 +226,26 @@ def compile_model(model: nn.Module, example: torch.Tensor, target: str | Target 
     """
     start = time.perf_counter()
     target = compile_target(target)
-    index = _index_path(model_key(model, example, target))
-    if index is not None and index.is_file():
-        entry = json.loads(index.read_text())
-        library = _library_path(entry["library_key"])
-        if library.is_file():
-            return CompiledModel(library, entry["metadata"], True, time.perf_counter() - start)
+    index = _index_entry(model_key(model, example, target))
+    if index is not None and (found := cache.lookup(index)) is not None:
+        entry = json.loads((found / INDEX).read_text())
+        library = cache.lookup(_library_entry(entry["library_key"]))
+        if library is not None:
+            return CompiledModel(library / LIBRARY, entry["metadata"], True, time.perf_counter() - start,
+                                 library.digests[LIBRARY])
+        cache.remove(index)  # its library is gone: index the one built below
     frozen = freeze(model)
     program = export(frozen, example)
     report = prove_exact(program)
     mod = to_relax(program)
     key = relax_key(mod, target)
-    library = _library_path(key)
-    hit = library.is_file()
-    if not hit:
-        _build_library(mod, target, library)
+    library = cache.cached(_library_entry(key), lambda directory: _build_library(mod, target, directory / LIBRARY))
     metadata = _metadata(program, report, target, key)
     if index is not None:
-        _write_atomic(index, json.dumps({"library_key": key, "metadata": metadata}, indent=1) + "\n")
-    return CompiledModel(library, metadata, hit, time.perf_counter() - start)
+        text = json.dumps({"library_key": key, "metadata": metadata}, indent=1) + "\n"
+        cache.cached(index, lambda directory: (directory / INDEX).write_text(text))
+    return CompiledModel(library / LIBRARY, metadata, library.hit, time.perf_counter() - start,
+                         library.digests[LIBRARY])
 
 
 def compile_checkpoint(checkpoint: str | Path, target: str = "x86_64") -> tuple[CompiledModel, dict[str, Any]]:
@@ -282,7 +295,7 @@ def load_compiled(directory: str | Path) -> CompiledModel:
         raise ValueError(f"compiled model {directory} was built with TVM {built_tvm}; this is TVM {tvm.__version__}: "
                          "compile it again")
     _check_cpu(directory, meta["target"].get("tvm") or {})
-    return CompiledModel(library, meta, True, time.perf_counter() - start)
+    return CompiledModel(library, meta, True, time.perf_counter() - start, meta["library"]["sha256"])
 
 
 def _check_cpu(directory: Path, built: dict[str, Any]) -> None:
@@ -294,13 +307,8 @@ def _check_cpu(directory: Path, built: dict[str, Any]) -> None:
 
 
 def _build_library(mod: tvm.IRModule, target: Target, library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    executable = tvm.compile(mod, target=tvm_target(target))
-    # Export under a private name, then rename: a concurrent compile of the same
-    # model never sees a half-written library.
-    tmp = library.with_name(f"{library.stem}.{os.getpid()}.tmp.so")
-    executable.export_library(str(tmp), cc=target.build.cc, options=list(target.build.cflags))
-    os.replace(tmp, library)
+    executable = tvm.compile(mod, target=tvm_target(target), relax_pipeline=relax_pipeline())
+    executable.export_library(str(library), cc=target.build.cc, options=list(target.build.cflags))
 
 
 def _metadata(
@@ -310,7 +318,7 @@ def _metadata(
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     outputs = [a for a in out_node.args[0]]
     if len(user) != 1 or len(outputs) != 1:
-        raise ValueError(f"compile takes models with one input and one output, got {len(user)} and {len(outputs)}")
+        raise DeployError(f"compile takes models with one input and one output, got {len(user)} and {len(outputs)}")
     fmt = input_format(program)
     grid = report.outputs[0]
     return {
@@ -424,28 +432,13 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def _library_path(key: str) -> Path:
-    return _models_dir() / f"{key}.so"
+def _library_entry(key: str) -> Path:
+    return _models_dir() / key
 
 
-def _index_path(key: str | None) -> Path | None:
-    return None if key is None else _models_dir() / f"index-{key}.json"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _index_entry(key: str | None) -> Path | None:
+    return None if key is None else _models_dir() / f"index-{key}"

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.toolchains import opencl_device, opencl_unavailable
 from compilers.tvm.build import tvm_target
 from compilers.tvm.gpu import GPU, DeviceModule, Launch, Param, lower
 from compilers.tvm.kernels import CompiledKernel, Kernel, kernel_for
@@ -38,43 +39,12 @@ def opencl_target() -> Target:
 
 def unavailable() -> str | None:
     """None if PoCL can run kernels here, else what is missing."""
-    if (reason := missing("pyopencl")) is not None:
-        return reason
-    name = opencl_target().run.platform
-    try:
-        _device(name)
-    except LookupError as err:
-        return str(err)
-    return None
-
-
-@functools.cache
-def _device(platform: str) -> Any:
-    import pyopencl as cl
-
-    try:
-        platforms = cl.get_platforms()
-    except cl.Error as err:  # no ICD loader configuration at all
-        raise LookupError(f"no OpenCL platform ({err}); install {_packages()}") from None
-    found = [p for p in platforms if p.name == platform]
-    if not found:
-        names = ", ".join(repr(p.name) for p in platforms) or "none"
-        raise LookupError(
-            f"OpenCL platform {platform!r} not found (platforms: {names}); install {_packages()}"
-        )
-    devices = found[0].get_devices()
-    if not devices:
-        raise LookupError(f"OpenCL platform {platform!r} has no device")
-    return devices[0]
+    return missing("pyopencl") or opencl_unavailable(opencl_target())
 
 
 def device_name() -> str:
     """The OpenCL device the kernels run on (PoCL names the host CPU)."""
-    return str(_device(opencl_target().run.platform).name)
-
-
-def _packages() -> str:
-    return " ".join(opencl_target().run.debian_packages) or "an OpenCL ICD"
+    return str(opencl_device(opencl_target()).name)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,7 +57,7 @@ class _Context:
 def _context() -> _Context:
     import pyopencl as cl
 
-    ctx = cl.Context([_device(opencl_target().run.platform)])
+    ctx = cl.Context([opencl_device(opencl_target())])
     return _Context(ctx, cl.CommandQueue(ctx))
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import fx
 
 from qnorm.deploy.freeze import int_op_info
+from qnorm.errors import DeployError
 from qnorm.qformat import QFormat
 
 EXACT_BITS = 24  # float32 significand: every integer up to 2^24 is exact
@@ -49,7 +50,7 @@ _SHOWN = 12  # problems listed in full before summarizing
 _WEIGHT_LEVELS = 1 << 16  # weights on a grid finer than 16-bit integers: no quantizer made them
 
 
-class NotDeployableError(ValueError):
+class NotDeployableError(DeployError):
     """The model cannot be compiled with a proof of bit-exactness; ``problems`` says why."""
 
     def __init__(self, problems: list[str]) -> None:

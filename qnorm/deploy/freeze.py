@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qnorm.errors import DeployError
 from qnorm.nn._qat import IntModule, is_quant_tensor
 from qnorm.nn.bnact import BNQuantAct
 from qnorm.nn.spiking import MPBNLIF
@@ -185,31 +186,31 @@ def _frozen_form(name: str, module: nn.Module) -> nn.Module | None:
     where = name or "the model"
     if isinstance(module, IntModule):
         if module.return_quant_tensor:
-            raise ValueError(f"{where} ({type(module).__name__}) returns quant tensors; deployment needs float outputs")
+            raise DeployError(f"{where} ({type(module).__name__}) returns quant tensors; deployment needs float outputs")
         layer = module.fold() if isinstance(module, (MPBNLIF, BNQuantAct)) else module
         try:
             layer.golden()
         except ValueError as err:
-            raise ValueError(f"{where} ({type(module).__name__}): {err}") from err
+            raise DeployError(f"{where} ({type(module).__name__}): {err}") from err
         return IntOpCall(layer.eval(), name)
     if not type(module).__module__.startswith("brevitas."):
         return None
     import brevitas.nn as qnn
 
     if getattr(module, "return_quant_tensor", False):
-        raise ValueError(f"{where} ({type(module).__name__}) returns quant tensors; deployment needs float outputs")
+        raise DeployError(f"{where} ({type(module).__name__}) returns quant tensors; deployment needs float outputs")
     if isinstance(module, qnn.QuantIdentity):
         return _fake_quant(module.act_quant, where)
     if isinstance(module, qnn.QuantLinear):
         return FrozenLinear(*_frozen_layer(module, where))
     if isinstance(module, qnn.QuantConv2d):
         if module.padding_mode != "zeros" or module.is_same_padded_strided:
-            raise ValueError(
+            raise DeployError(
                 f"{where}: QuantConv2d with padding_mode={module.padding_mode!r} / same-padded stride is not supported"
             )
         input_quant, weight, bias, output_quant = _frozen_layer(module, where)
         return FrozenConv2d(module, input_quant, weight, bias, output_quant)
-    raise ValueError(
+    raise DeployError(
         f"{where}: Brevitas {type(module).__name__} has no frozen form; qnorm.deploy takes QuantIdentity, "
         "QuantLinear and QuantConv2d (a quantized activation: nn.ReLU then QuantIdentity)"
     )
@@ -241,12 +242,12 @@ def _fake_quant(proxy: Any, where: str) -> nn.Module:
         return nn.Identity()
     fused = getattr(proxy, "fused_activation_quant_proxy", None)
     if fused is not None and not isinstance(fused.activation_impl, nn.Identity):
-        raise ValueError(f"{where}: a quantizer with a fused {type(fused.activation_impl).__name__} has no frozen form")
+        raise DeployError(f"{where}: a quantizer with a fused {type(fused.activation_impl).__name__} has no frozen form")
     qt = proxy(torch.zeros(1))
     if bool((qt.zero_point != 0).any()):
-        raise ValueError(f"{where}: quantizer has a non-zero zero point; deployment needs symmetric quantizers")
+        raise DeployError(f"{where}: quantizer has a non-zero zero point; deployment needs symmetric quantizers")
     if qt.scale.numel() != 1:
-        raise ValueError(f"{where}: per-channel activation scales are not supported")
+        raise DeployError(f"{where}: per-channel activation scales are not supported")
     bits, signed, narrow = int(qt.bit_width), bool(qt.signed), bool(proxy.is_narrow_range)
     lo = -(1 << (bits - 1)) + narrow if signed else 0
     hi = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1 - narrow

@@ -1081,7 +1081,7 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
     shifts = sorted({row_shifts(cfg, e, j) for e in segs})
     nr = inv * cfg.num_mult
     mults = [nr.rshift(jr, cfg.rounding) for jr, _, _ in shifts]
-    a = rep.add("mult", Interval.hull(*(v << up for m, (_, up, _) in zip(mults, shifts) for v in (m.lo, m.hi))))
+    rep.add("mult", Interval.hull(*(v << up for m, (_, up, _) in zip(mults, shifts) for v in (m.lo, m.hi))))
     if cfg.centered:
         mean = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)  # Σx / N: c = round(Σx·a0/N) 2^up
         ends = [(mean * m + Interval(-1, 1)) * (1 << up) for m, (_, up, _) in zip(mults, shifts)]

@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "load_checkpoint": "checkpoint", "read_metadata": "checkpoint", "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint", "read_metadata": "checkpoint_meta", "save_checkpoint": "checkpoint",
     "DigitsData": "data", "load_digits_data": "data",
     "TrainResult": "loop", "evaluate": "loop", "seed_everything": "loop", "train": "loop",
     "build_model": "models", "model_spec": "models", "neuron_factory": "models",

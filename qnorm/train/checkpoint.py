@@ -12,9 +12,10 @@ returns ("" is the root module); this is how quantized layers publish scales, bi
 widths, golden integer constants or folded thresholds without the checkpoint code
 knowing them.
 
-Loading never unpickles anything and fails with a ValueError that names the problem:
-missing file, size or checksum mismatch (truncated / corrupt weights), unparsable
-JSON, a model spec that does not match its checksums (naming the fields), safetensors
+Loading never unpickles anything and fails with a CheckpointError (a ValueError) that
+names the problem: missing file, size or checksum mismatch (truncated / corrupt
+weights), unparsable JSON (read by :mod:`qnorm.train.checkpoint_meta`, torch-free),
+a model spec that does not match its checksums (naming the fields), safetensors
 that do not parse, tensors whose names, shapes or dtypes do not match the model, or
 module metadata that the loaded model does not reproduce.  That last check re-derives
 every qnorm layer's golden op from the loaded float parameters and calibration and
@@ -36,7 +37,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qnorm.errors import CheckpointError
 from qnorm.ops._normcore import DEFINITION_NOTES
+from qnorm.train.checkpoint_meta import (
+    FORMAT,
+    META,
+    VERSION,
+    WEIGHTS,
+    checkpoint_dir,
+    read_metadata,
+)
 from qnorm.train.json_fields import (
     checksum_differences,
     differences,
@@ -44,11 +54,6 @@ from qnorm.train.json_fields import (
     listing,
 )
 from qnorm.train.models import build_model, model_spec
-
-WEIGHTS = "weights.safetensors"
-META = "meta.json"
-FORMAT = "qnorm.checkpoint"
-VERSION = 2  # 2: the model spec is checksummed field by field
 
 
 def collect_module_metadata(model: nn.Module) -> dict[str, Any]:
@@ -109,34 +114,13 @@ def _is_json(value: Any) -> bool:
     return True
 
 
-def read_metadata(directory: str | Path) -> dict[str, Any]:
-    """Parse and validate `meta.json` of a checkpoint directory."""
-    path = Path(directory) / META
-    if not path.is_file():
-        raise ValueError(f"checkpoint {directory}: missing metadata file {path}")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint {directory}: {path} is not valid JSON: {err}") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {directory}: {path} is not a {FORMAT} file")
-    if meta.get("version") != VERSION:
-        raise ValueError(f"checkpoint {directory}: unsupported version {meta.get('version')!r}, "
-                         f"this code reads version {VERSION}")
-    for key, kind in (("model", dict), ("model_checksums", dict), ("metadata", dict), ("modules", dict),
-                      ("weights", dict)):
-        if not isinstance(meta.get(key), kind):
-            raise ValueError(f"checkpoint {directory}: {path} lacks a valid {key!r} entry")
-    return meta
-
-
 def _check_spec(directory: Path, meta: dict[str, Any]) -> None:
     """The model spec must match its recorded field checksums: an edited spec (say the
     norm kind) would rebuild another model around the same weights."""
     changed = checksum_differences(meta["model"], meta["model_checksums"])
     if changed:
-        raise ValueError(f"checkpoint {directory}: the model spec in {directory / META} does not match "
-                         f"its checksums (edited?): {listing(changed)}")
+        raise CheckpointError(f"checkpoint {directory}: the model spec in {directory / META} does not match "
+                              f"its checksums (edited?): {listing(changed)}")
 
 
 def _check_modules(directory: Path, model: nn.Module, recorded: dict[str, Any]) -> None:
@@ -149,16 +133,16 @@ def _check_modules(directory: Path, model: nn.Module, recorded: dict[str, Any]) 
         try:
             derived = json.loads(json.dumps(hook(), allow_nan=False))
         except ValueError as err:
-            raise ValueError(f"checkpoint {directory}: re-deriving module {name!r}'s metadata from the loaded "
-                             f"parameters failed: {err}") from err
+            raise CheckpointError(f"checkpoint {directory}: re-deriving module {name!r}'s metadata from the "
+                                  f"loaded parameters failed: {err}") from err
         if name not in recorded:
             problems.append(f"module {name!r} has metadata that {META} does not record")
             continue
         _check_definition(directory, name, recorded[name], derived)
         problems += [f"module {name!r} {d}" for d in differences(recorded[name], derived)]
     if problems:
-        raise ValueError(f"checkpoint {directory}: the loaded model does not reproduce the module metadata "
-                         f"recorded in {directory / META}: {listing(problems)}")
+        raise CheckpointError(f"checkpoint {directory}: the loaded model does not reproduce the module metadata "
+                              f"recorded in {directory / META}: {listing(problems)}")
 
 
 def _check_definition(directory: Path, name: str, recorded: Any, derived: Any) -> None:
@@ -169,7 +153,7 @@ def _check_definition(directory: Path, name: str, recorded: Any, derived: Any) -
         return
     was, now = golden[0].get("definition", 1), golden[1].get("definition", 1)
     if was != now:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {directory}: module {name!r} was saved with version {was} of the "
             f"{golden[1].get('op')} integer definition; this qnorm computes version {now} "
             f"({DEFINITION_NOTES.get(now, 'a different integer algorithm')}), so its recorded "
@@ -181,18 +165,18 @@ def _check_definition(directory: Path, name: str, recorded: Any, derived: Any) -
 def _read_weights(directory: Path, recorded: dict[str, Any]) -> dict[str, torch.Tensor]:
     path = directory / WEIGHTS
     if not path.is_file():
-        raise ValueError(f"checkpoint {directory}: missing weights file {path}")
+        raise CheckpointError(f"checkpoint {directory}: missing weights file {path}")
     size = path.stat().st_size
     if size != recorded.get("bytes"):
-        raise ValueError(f"checkpoint {directory}: weights file {path} is truncated or padded: "
+        raise CheckpointError(f"checkpoint {directory}: weights file {path} is truncated or padded: "
                          f"{size} bytes, meta.json records {recorded.get('bytes')}")
     if _sha256(path) != recorded.get("sha256"):
-        raise ValueError(f"checkpoint {directory}: weights file {path} is corrupt: "
+        raise CheckpointError(f"checkpoint {directory}: weights file {path} is corrupt: "
                          "its sha256 does not match meta.json")
     try:
         return load_file(str(path))
     except SafetensorError as err:
-        raise ValueError(f"checkpoint {directory}: {path} is not a valid safetensors file: "
+        raise CheckpointError(f"checkpoint {directory}: {path} is not a valid safetensors file: "
                          f"{err}") from err
 
 
@@ -213,7 +197,7 @@ def _check_match(directory: Path, model: nn.Module, tensors: dict[str, torch.Ten
     if mismatched:
         problems.append(f"shape/dtype mismatch: {listing(mismatched, ', ')}")
     if problems:
-        raise ValueError(f"checkpoint {directory} does not match {type(model).__name__}: "
+        raise CheckpointError(f"checkpoint {directory} does not match {type(model).__name__}: "
                          + "; ".join(problems))
 
 
@@ -224,9 +208,7 @@ def load_checkpoint(
 
     Returns the model, in eval mode, and the parsed meta.json.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"checkpoint directory {directory} does not exist")
+    directory = checkpoint_dir(directory)
     meta = read_metadata(directory)
     _check_spec(directory, meta)
     tensors = _read_weights(directory, meta["weights"])
@@ -234,8 +216,8 @@ def load_checkpoint(
         spec = meta["model"]
         try:
             model = build_model(spec["kind"], **spec["config"])
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {directory}: invalid model spec {spec!r}: {err}") from err
     _check_match(directory, model, tensors)
     model.load_state_dict(tensors, strict=True)
     _check_modules(directory, model, meta["modules"])

@@ -7,26 +7,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qnorm.cli_args import output_dir, positive_int
+
 DEFAULT_OUT = Path("out/train")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _train(args: argparse.Namespace) -> int:
     # Imported here so that `qnorm --help` and the other subcommands stay fast
     # (torch, brevitas and scikit-learn load only for a training run).
-    from qnorm.train.experiment import DEFAULT_FAMILIES, FoldMismatchError, default_jobs, run_training
+    from qnorm.train.families import DEFAULT_FAMILIES, family_names
+
+    families = family_names(args.family or DEFAULT_FAMILIES)  # before the seconds of imports below
+    from qnorm.train.experiment import FoldMismatchError, default_jobs, run_training
 
     jobs = args.jobs or (1 if args.quick else default_jobs())
     try:
         table = run_training(
             args.out, epochs=args.epochs, seed=args.seed, kinds=args.kinds,
-            families=args.family or DEFAULT_FAMILIES, quick=args.quick,
+            families=families, quick=args.quick,
             progress=not args.no_progress, jobs=jobs,
         )
     except FoldMismatchError as err:
@@ -41,7 +39,7 @@ def _train(args: argparse.Namespace) -> int:
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `train` to the `qnorm` subcommands; its handler is `args.func(args)` -> exit code.
 
-    An unknown family or kind, or a bad setting, raises ValueError before anything
+    An unknown family or kind, or a bad setting, raises UsageError before anything
     trains (the main CLI turns it into a one-line error); a folded SNN that predicts
     differently from the unfolded one exits 1 after the tables are written.
     """
@@ -54,14 +52,14 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "folded), or with --family the deployable models; print and write the "
                     "accuracy table (accuracy.md, accuracy.json) and pickle-free checkpoints.",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT,
                         help=f"output directory (default: {DEFAULT_OUT})")
     parser.add_argument("--family", nargs="+", metavar="FAMILY",
                         help="model families to train: transformer (norm kinds), snn (neuron "
                              "kinds), and the deployable ones whose checkpoints `qnorm compile` "
                              "takes: mixer (integer norm kinds), snn-pow2 (integer neuron kinds); "
                              "default: transformer snn")
-    parser.add_argument("--epochs", type=_positive,
+    parser.add_argument("--epochs", type=positive_int,
                         help="epochs for every model (default: 20 transformer and mixer, 8 SNN; "
                              "--quick: 4 and 2)")
     parser.add_argument("--seed", type=int, default=0,
@@ -73,7 +71,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "MPBN LIF, mixer every integer norm, snn-pow2 int_mpbn_lif")
     parser.add_argument("--quick", action="store_true",
                         help="smoke-test size: few epochs on 512 training samples")
-    parser.add_argument("--jobs", type=_positive,
+    parser.add_argument("--jobs", type=positive_int,
                         help="models trained in parallel processes, one thread each; results "
                              "do not depend on it (default: 2 where 2 cores are available; 1 "
                              "with --quick, where starting workers costs more than it saves)")

@@ -44,51 +44,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
+from qnorm.errors import UsageError
 from qnorm.nn import MPBNLIF, BNQuantAct, IntModule, register_training_kinds
 from qnorm.passes import fold_thresholds
 from qnorm.train.checkpoint import save_checkpoint
 from qnorm.train.data import DigitsData, load_digits_data
+from qnorm.train.families import DEFAULT_FAMILIES, FAMILIES, family_names
 from qnorm.train.loop import eval_loader, evaluate, seed_everything, torch_threads, train
 from qnorm.train.models import build_model, neuron_kinds, norm_kinds
 
-
-@dataclass(frozen=True)
-class Family:
-    """A model trained once per kind: ``build_model(model, **{slot: kind}, **options)``.
-
-    `deployable`: only kinds whose layers calibrate power-of-two scales (every
-    checkpoint compiles); `defaults`: the kinds trained when none are named;
-    `reference`: the float kind the family's rows are compared with (None: none).
-    """
-
-    model: str
-    slot: str  # "norm" or "neuron": the config field the kind fills
-    defaults: tuple[str, ...]
-    reference: str | None
-    deployable: bool = False
-    options: tuple[tuple[str, Any], ...] = ()
-
-    def config(self, kind: str) -> dict[str, Any]:
-        return {self.slot: kind, **dict(self.options)}
-
-    def kinds(self) -> list[str]:
-        """The registered kinds this family trains."""
-        listing = norm_kinds if self.slot == "norm" else neuron_kinds
-        return listing(deployable=self.deployable)
-
-    def describe(self) -> str:
-        return f"{'deployable ' if self.deployable else ''}{self.slot} kinds"
-
-
-_INTEGER_NORMS = ("int_ln", "l1", "shift", "int_rms")
-FAMILIES = {
-    "transformer": Family("transformer", "norm", ("float", *_INTEGER_NORMS), "float"),
-    "snn": Family("snn", "neuron", ("float_mpbn_lif", "int_mpbn_lif"), "float_mpbn_lif"),
-    "mixer": Family("mixer", "norm", _INTEGER_NORMS, None, deployable=True),
-    "snn-pow2": Family("snn", "neuron", ("int_mpbn_lif",), None, deployable=True,
-                       options=(("pow2", True),)),
-}
-DEFAULT_FAMILIES = ("transformer", "snn")
 DEFAULT_KINDS = tuple(k for f in DEFAULT_FAMILIES for k in FAMILIES[f].defaults)
 GOAL_POINTS = 1.0
 CHECKPOINTS = "checkpoints"
@@ -258,20 +222,15 @@ def resolve_kinds(
     order, duplicates dropped; `kinds` None: every family's default kinds.
 
     By default a norm kind trains the transformer and a neuron kind the SNN. An unknown
-    family, or a kind that none of `families` trains, is a ValueError listing what is known.
+    family, or a kind that none of `families` trains, is a UsageError (a ValueError) listing what is known.
     """
-    if not families:
-        raise ValueError("no model families to train")
-    unknown = [f for f in families if f not in FAMILIES]
-    if unknown:
-        raise ValueError(f"unknown model family {unknown[0]!r}; known: {', '.join(FAMILIES)}")
-    families = list(dict.fromkeys(families))
+    families = family_names(families)
     if kinds is None:
         kinds = [k for f in families for k in FAMILIES[f].defaults]
     # qnorm.nn registers its norm/neuron kinds on request; the listings need them now.
     register_training_kinds()
     if not kinds:
-        raise ValueError("no kinds to train")
+        raise UsageError("no kinds to train")
     trains = {f: set(FAMILIES[f].kinds()) for f in families}
     both = set(norm_kinds()) & set(neuron_kinds())
     resolved: list[tuple[str, str]] = []
@@ -285,7 +244,7 @@ def resolve_kinds(
                                 for f in families)
             what = f"kind {kind!r} is trained by none of {', '.join(families)}" if known \
                 else f"unknown kind {kind!r}"
-            raise ValueError(f"{what}; {listing}")
+            raise UsageError(f"{what}; {listing}")
         resolved.extend(matched)
     return resolved
 
@@ -448,14 +407,14 @@ def run_training(
     trains it (`resolve_kinds`), write checkpoints and the accuracy tables into `out_dir`.
 
     `epochs` overrides the recipe's epoch count for every model; `quick` selects the
-    smoke-test recipes. Raises ValueError for an unknown kind or bad setting (before
+    smoke-test recipes. Raises UsageError for an unknown kind or bad setting (before
     training anything) and FoldMismatchError, after writing the tables, when a folded
     SNN's predictions differ from the unfolded ones.
     """
     if epochs is not None and epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
+        raise UsageError(f"epochs must be >= 1, got {epochs}")
     if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+        raise UsageError(f"jobs must be >= 1, got {jobs}")
     resolved = resolve_kinds(kinds, families)
     out_dir = Path(out_dir)
     recipes = QUICK_RECIPES if quick else FULL_RECIPES

@@ -5,28 +5,36 @@
 * :mod:`.golden_store` — qnorm/data/golden: stored vectors, sha256 manifest, regeneration.
 * :mod:`.backends` — the backend registry (golden, qat, x86_64, and any registered).
 * :mod:`.harness` — running, comparing (equality only) and the op × backend matrix.
+
+The names below load on first use (PEP 562): ``qnorm verify --list`` and the
+command line's checks of ``--case`` read the catalogue without loading torch.
 """
 
-from qnorm.verify.backends import Backend, BackendError, Runner, Unsupported, register, unregister
-from qnorm.verify.cases import CASES, Case, select_cases
-from qnorm.verify.golden_store import GoldenStoreError
-from qnorm.verify.harness import Report, resolve_columns, verify
-from qnorm.verify.vectors import DEFAULT_ELEMENTS, FULL_ELEMENTS
+from __future__ import annotations
 
-__all__ = [
-    "CASES",
-    "DEFAULT_ELEMENTS",
-    "FULL_ELEMENTS",
-    "Backend",
-    "BackendError",
-    "Case",
-    "GoldenStoreError",
-    "Report",
-    "Runner",
-    "Unsupported",
-    "register",
-    "resolve_columns",
-    "select_cases",
-    "unregister",
-    "verify",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CASES": "cases", "Case": "cases", "select_cases": "cases",
+    "Backend": "backends", "BackendError": "backends", "Runner": "backends", "Unsupported": "backends",
+    "register": "backends", "unregister": "backends",
+    "GoldenStoreError": "golden_store",
+    "Report": "harness", "resolve_columns": "harness", "verify": "harness",
+    "DEFAULT_ELEMENTS": "vectors", "FULL_ELEMENTS": "vectors",
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -4,8 +4,8 @@ Each column builds the op's CPU kernel (``compilers.tvm.kernels.kernel_for``)
 for the target with :mod:`compilers.tvm.cross` (LLVM for the target's triple and
 CPU, linked statically by the Debian cross gcc) and runs every batch of vectors
 as one qemu-user process.  Importing this module registers the columns without
-importing tvm; ``unavailable()`` names the Debian packages of a missing cross
-gcc, static libc or qemu binary.
+importing tvm; ``unavailable()`` (:mod:`compilers.toolchains`, no tvm either)
+names the Debian packages of a missing cross gcc, static libc or qemu binary.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import importlib
 from typing import Any
 
+from compilers.toolchains import cross_tools_missing
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
@@ -34,7 +35,7 @@ def _cross() -> Any:
 
 
 def _unavailable(name: str) -> str | None:
-    return missing("tvm") or _cross().missing_tools(column_target(name))
+    return missing("tvm") or cross_tools_missing(column_target(name))
 
 
 def _prepare(name: str, op: IntOp) -> Runner:

@@ -20,6 +20,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from compilers.toolchains import (
+    gpu_compute_capability,
+    nvcc_unavailable,
+    opencl_unavailable,
+)
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
@@ -48,7 +53,7 @@ def _kernel_or_skip(build: Any, op: IntOp) -> Any:
 
 
 def _opencl_unavailable() -> str | None:
-    return missing("tvm") or _module("opencl").unavailable()
+    return missing("tvm") or missing("pyopencl") or opencl_unavailable(column_target("opencl"))
 
 
 def _opencl_prepare(op: IntOp) -> Runner:
@@ -60,9 +65,15 @@ def _opencl_prepare(op: IntOp) -> Runner:
 
 # --------------------------------------------------------------------------- cuda
 
+NO_GPU = "no CUDA GPU on this machine"
+
 
 def _cuda_unavailable() -> str | None:
-    return missing("tvm") or _module("cuda").nvcc_unavailable()
+    return missing("tvm") or nvcc_unavailable()
+
+
+def _cuda_not_run() -> str | None:
+    return NO_GPU if gpu_compute_capability() is None else None
 
 
 def _cuda_prepare(op: IntOp) -> Runner:
@@ -71,9 +82,9 @@ def _cuda_prepare(op: IntOp) -> Runner:
     refuse_beyond_limits(op, target)
     compiled = _kernel_or_skip(cuda.cuda_kernel, op)
     built = f"nvcc {'/'.join(cuda.archs(target))} PTX+cubin"
-    arch = cuda.gpu_compute_capability()
+    arch = gpu_compute_capability()
     if arch is None:
-        raise NotRun(f"{built}; not run: no CUDA GPU on this machine")
+        raise NotRun(f"{built}; not run: {NO_GPU}")
     runner = cuda.gpu_runner(compiled)
     return Runner(
         runner, f"TVM cuda kernel (GPU schedule), {built}, run on {arch} via compilers/tvm/harness/gpu_harness.cu"
@@ -94,5 +105,6 @@ register(
         "TVM cuda kernels (GPU schedule): nvcc PTX+cubin; run where a CUDA GPU is present",
         _cuda_prepare,
         _cuda_unavailable,
+        not_run=_cuda_not_run,
     )
 )

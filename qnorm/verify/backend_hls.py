@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from compilers.toolchains import compiler_unavailable
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
 from qnorm.verify.backends import (
@@ -41,7 +42,7 @@ def _module(name: str) -> Any:
 
 
 def _unavailable() -> str | None:
-    return missing("tvm") or _module("csim").compiler_unavailable(column_target(NAME))
+    return missing("tvm") or compiler_unavailable(column_target(NAME))
 
 
 def _prepare(op: IntOp) -> Runner:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from qnorm.errors import UsageError
 from qnorm.fixedpoint import Dyadic
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops.base import IntOp
@@ -74,6 +75,16 @@ class Case:
     def definition(self) -> int:
         """The version of the integer definition this case's op computes."""
         return _FAMILIES[self.op].op.definition
+
+    def summary(self) -> str:
+        """The config on one line: formats as ``int8/0.05`` (bits and scale), the rest ``key=value``."""
+        return " ".join(f"{key}={_summary_value(value)}" for key, value in self.config.items())
+
+
+def _summary_value(value: Any) -> str:
+    if isinstance(value, Mapping):  # a format spec
+        return f"{'int' if value['signed'] else 'uint'}{value['bits']}/{value['scale']:g}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # --------------------------------------------------------------------------- formats
@@ -285,17 +296,25 @@ def case_named(name: str) -> Case:
     for case in CASES:
         if case.name == name:
             return case
-    raise ValueError(f"unknown case {name!r}")
+    raise UsageError(f"unknown case {name!r} (qnorm verify --list shows the {len(CASES)} cases)")
 
 
-def select_cases(patterns: list[str] | None) -> list[Case]:
-    """Cases whose name matches any glob pattern (all when ``patterns`` is empty)."""
-    if not patterns:
-        return list(CASES)
-    chosen = [c for c in CASES if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+def matching(pattern: str) -> list[Case]:
+    """The cases whose name matches the glob ``pattern``; a pattern matching none is a
+    :class:`UsageError` (a mistyped glob must not shrink a run silently)."""
+    chosen = [c for c in CASES if fnmatch.fnmatchcase(c.name, pattern)]
     if not chosen:
-        raise ValueError(f"no case matches {', '.join(patterns)}; cases: {', '.join(c.name for c in CASES)}")
+        raise UsageError(f"no case matches {pattern!r} (qnorm verify --list shows the {len(CASES)} cases)")
     return chosen
 
 
-__all__ = ["CASES", "CHANNELS", "ROWS", "TIME", "Case", "case_named", "select_cases"]
+def select_cases(patterns: list[str] | None) -> list[Case]:
+    """Cases whose name matches any glob pattern, in catalogue order (all when
+    ``patterns`` is empty); every pattern must match a case."""
+    if not patterns:
+        return list(CASES)
+    chosen = {c.name for p in patterns for c in matching(p)}
+    return [c for c in CASES if c.name in chosen]
+
+
+__all__ = ["CASES", "CHANNELS", "ROWS", "TIME", "Case", "case_named", "matching", "select_cases"]

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from qnorm.data import data_dir
+from qnorm.errors import QnormError
 from qnorm.verify.cases import CASES, Case
 from qnorm.verify.vectors import golden_inputs
 
@@ -40,7 +41,7 @@ _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest zip timestamp: no build time i
 _KEYS = ("x", "y")
 
 
-class GoldenStoreError(ValueError):
+class GoldenStoreError(QnormError, ValueError):
     """The golden store is missing, modified, corrupt or out of step with the catalogue."""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from qnorm.errors import UnknownTargetError
 from qnorm.metrics import error_in_lsb
 from qnorm.ops.base import IntOp
 from qnorm.targets import known_targets
@@ -62,7 +63,7 @@ def resolve_columns(targets: list[str] | None) -> list[str]:
         unknown = [t for t in targets if t not in known and backends.get(t) is None]
         if unknown:
             others = ", ".join(n for n in backends.registered() if n not in known)
-            raise ValueError(
+            raise UnknownTargetError(
                 f"unknown target {', '.join(map(repr, unknown))}; known targets: {', '.join(known)}"
                 + (f"; other backends: {others}" if others else "")
             )
@@ -79,7 +80,7 @@ def column_state(name: str) -> Cell | None:
     try:
         reason = backend.unavailable()
     except Exception as err:  # noqa: BLE001 - e.g. a kernel module that exists but does not import
-        return Cell(FAIL, reason=f"checking availability failed: {_error_text(err)}")
+        return Cell(FAIL, reason=f"checking availability failed: {error_text(err)}")
     return None if reason is None else Cell(SKIP, reason=reason)
 
 
@@ -169,6 +170,11 @@ class CaseReport:
     def failed(self) -> bool:
         return any(c.status == FAIL for c in self.cells.values())
 
+    def summary(self) -> str:
+        """``FAIL`` or ``ok``, then the cells that ran no vectors: skip, compiled, refused (``ok, 1 compiled``)."""
+        counts = [(sum(c.status == s for c in self.cells.values()), s) for s in (SKIP, COMPILED, REFUSED)]
+        return ", ".join(["FAIL" if self.failed else "ok", *(f"{n} {s}" for n, s in counts if n)])
+
     def to_json(self) -> dict[str, Any]:
         return {
             "case": self.case.name,
@@ -197,6 +203,12 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+    @property
+    def unproven(self) -> list[tuple[CaseReport, str, Cell]]:
+        """Cells that proved nothing here and are not a refusal by contract: ``skip`` and
+        ``compiled`` (``qnorm verify --strict`` fails on them)."""
+        return [(r, n, c) for r in self.cases for n, c in r.cells.items() if c.status in (SKIP, COMPILED)]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -285,7 +297,8 @@ def _grouped(reports: list[CaseReport], column: str, key: Callable[[Cell], str |
 # --------------------------------------------------------------------------- running
 
 
-def _error_text(err: BaseException) -> str:
+def error_text(err: BaseException) -> str:
+    """An exception as ``Type: message (at file:line)``, for a cell's reason."""
     where = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
     at = f" (at {Path(where.filename).name}:{where.lineno})" if where is not None else ""
     return f"{type(err).__name__}: {err}{at}"
@@ -336,7 +349,7 @@ def _prepare(
             except backends.Refused as err:
                 cells[name] = Cell(REFUSED, reason=str(err))
             except Exception as err:  # noqa: BLE001 - any backend fault is that column's FAIL
-                cells[name] = Cell(FAIL, reason=f"preparing the backend failed: {_error_text(err)}")
+                cells[name] = Cell(FAIL, reason=f"preparing the backend failed: {error_text(err)}")
     return cells, runners
 
 
@@ -376,7 +389,7 @@ def run_case(
             try:
                 equal, reason, mismatch = _compare(case, batch, np.asarray(expected), runner.run(batch.x))
             except Exception as err:  # noqa: BLE001 - a crash on some input is that column's FAIL
-                equal, reason, mismatch = False, f"{batch.source} vectors: {_error_text(err)}", None
+                equal, reason, mismatch = False, f"{batch.source} vectors: {error_text(err)}", None
             if equal:
                 cell.vectors += batch.x.size // case.width
                 cell.elements += batch.x.size
