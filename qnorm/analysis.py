@@ -250,10 +250,13 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "sum_sq": lambda op, rep: _square("x·x (in sum_sq)", _in_interval(op)),
     "n_sum_sq": lambda op, rep: _product(rep, "N·sum_sq", Interval.point(op.config.n), rep["sum_sq"], "n_sum_sq"),
     "sum_squared": lambda op, rep: _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared"),
-    "prod": lambda op, rep: _product(
-        rep, f"num_scaled·{op.inverse_name}", rep["num_scaled"], rep[op.inverse_name], "prod"
+    # the per-row multiplier N·r and offset round(Σx·a/N) = a·floor(Σx/N) + round(D·a/N), D < N
+    "mult": lambda op, rep: _product(
+        rep, f"N·{op.inverse_name}", Interval.point(op.config.num_mult), rep[op.inverse_name], "mult"
     ),
-    "scaled": lambda op, rep: _product(rep, "z·gain", rep["z"], _interval_of(op.config.gain), "scaled"),
+    "offset": lambda op, rep: _product(rep, "mult·mean (in offset)", rep["mult"], _in_interval(op), "offset"),
+    "xa": lambda op, rep: _product(rep, "x·mult", _in_interval(op), rep["mult"], "xa"),
+    "scaled": lambda op, rep: _product(rep, "zc·gain", rep["zc"], _interval_of(op.config.gain), "scaled"),
     "x_slope": lambda op, rep: _product(rep, "x·slope", _in_interval(op), _interval_of(op._slope), "bn_product"),
     "membrane_leak": _membrane_leak,
     "membrane_slope": lambda op, rep: _product(

@@ -128,11 +128,11 @@ def test_an_unnamed_product_is_held_to_the_accumulator(tmp_path) -> None:
         multiplications = IntRMSNorm.multiplications
         inverse_name = "rsqrt"
         in_fmt = QFormat(16, 1.0)
-        config = SimpleNamespace(n=4, gain=(1, 1, 1, 1))
+        config = SimpleNamespace(n=4, gain=(1, 1, 1, 1), num_mult=1)
 
         def ranges(self) -> RangeReport:
             rep = RangeReport(self.name)
-            for name in ("sum_sq", "num_scaled", "rsqrt", "prod", "z", "scaled"):
+            for name in ("sum_sq", "rsqrt", "mult", "xa", "zc", "scaled"):
                 rep.add(name, Interval(0, 1))
             return rep
 
@@ -163,14 +163,20 @@ def test_products_bound_the_values_the_op_computes(name: str) -> None:
 def test_product_tables_cover_the_families() -> None:
     labels = {c.op: [p.label for p in products(c.build())] for c in CASES if c.name in FAMILY_CASES}
     assert labels["int_layernorm"] == [
-        "N·x (in centered)",
         "x·x (in sum_sq)",
         "n_sum_sq = N·sum_sq",
         "sum_squared = sum·sum",
-        "prod = num_scaled·rsqrt",
-        "scaled = z·gain",
+        "mult = N·rsqrt",
+        "offset = mult·mean (in offset)",
+        "xa = x·mult",
+        "scaled = zc·gain",
     ]
-    assert labels["shift_layernorm"] == labels["int_layernorm"][:4]  # normalizes and scales by shifts
+    assert labels["shift_layernorm"] == [  # scales by shifts: no zc·gain
+        *labels["int_layernorm"][:3],
+        "mult = N·rsqrt_pow2",
+        "offset = mult·mean (in offset)",
+        "xa = x·mult",
+    ]
     assert labels["multithreshold"] == []
     assert labels["mpbn_lif"] == ["leak_product = membrane·leak", "bn_product = membrane·slope"]
     assert labels["folded_lif"] == ["leak_product = membrane·leak"]

@@ -710,7 +710,7 @@ class NormOp(IntOp):
         self._window = output_window(config, self._gain, self._bias, row.channel_z)
         self._stat_bits = row.stat_bits
         self._mult_shift = row.mult_shift
-        self.ranges()  # checked: 63 bits everywhere, the lanes for every per-element stage
+        self._report(config, self._gain, self._bias, self._window)  # checked: 63 bits, the lanes per element
 
     # ---- construction from floats
 
@@ -882,15 +882,18 @@ class NormOp(IntOp):
         """Every intermediate's exact bounds.  The report is checked against 63 bits
         at stage ends, before a bound too wide for fixedpoint's operands is shifted,
         and every per-element stage against the datapath's lanes."""
-        return self._report(self.config, self._gain, self._bias)
+        return self._report(self.config, self._gain, self._bias, self._window)
 
     @classmethod
-    def _report(cls, cfg: NormConfig, gain: np.ndarray, bias: np.ndarray) -> RangeReport:
-        """The report of ``cfg`` with int64 multipliers and biases ``gain``, ``bias``."""
+    def _report(
+        cls, cfg: NormConfig, gain: np.ndarray, bias: np.ndarray, window: OutputWindow | None = None
+    ) -> RangeReport:
+        """The report of ``cfg`` with int64 multipliers and biases ``gain``, ``bias``
+        (``window``: their output window, when already at hand)."""
         row = cls.row_analysis(cfg)
         rep = RangeReport(cls.name)
         rep.items.update(row.items)
-        output_ranges(rep, cfg, gain, output_window(cfg, gain, bias, row.channel_z))
+        output_ranges(rep, cfg, gain, window or output_window(cfg, gain, bias, row.channel_z))
         check_lanes(rep, cfg)
         return rep
 
@@ -915,10 +918,11 @@ class NormOp(IntOp):
         mants = [mantissa_range(e, seg, cfg) for e, seg in segs.items()]
         m_iv = rep.add("mant", Interval(min(m.lo for m in mants), max(m.hi for m in mants)))
         inv = rep.add(cls.inverse_name, cls._inverse_range(cfg, m_iv))
-        j = mult_shift(cfg, cls._products(cfg, stat, segs, inv))
+        products = cls._products(cfg, stat, segs, inv)
+        j = mult_shift(cfg, products)
         row_affine_ranges(rep, cfg, inv, segs, j)
         rep.check()
-        z = cls._normalized_ranges(cfg, stat, segs, inv, j, rep)
+        z = cls._normalized_ranges(cfg, products, j, rep)
         rep.check()  # every entry handed on is checked
         chans = cls._channel_z(cfg, stat, segs, inv, j, z)
         return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()), j)
@@ -942,13 +946,7 @@ class NormOp(IntOp):
 
     @classmethod
     def _normalized_ranges(
-        cls,
-        cfg: NormConfig,
-        stat: StatBounds,
-        segs: dict[int, Interval],
-        inv: Interval,
-        j: int,
-        rep: RangeReport | None,
+        cls, cfg: NormConfig, products: dict[int, tuple[Fraction, int]], j: int, rep: RangeReport | None
     ) -> Interval:
         """xa and z (recorded when ``rep`` is given).
 
@@ -959,17 +957,16 @@ class NormOp(IntOp):
         when K > 0.  The exact part, per exponent, is the op's product bound
         (``|u r|`` with ``u = num 2^(H − e)``) over 2^(F_r − F_z).
         """
-        products = cls._products(cfg, stat, segs, inv)
         if rep is not None:
             xa = xa_bound(cfg, products, j)
             rep.add("xa", Interval(-xa, xa))
-        t = 0
+        t, d = 0, cfg.inv_frac_bits - cfg.frac_bits
         for e, (_, pb) in products.items():
             jr, _, k = row_shifts(cfg, e, j)
-            # the datapath's error: a and c rounded (j_r > 0, then K >= 0), z rounded (K > 0)
-            err = Fraction(span_of(cfg) + 1, 1 << k) if jr else Fraction(0)
-            extra = err + (1 if k > 0 else 0)
-            t = max(t, math.floor(Fraction(pb, 1 << (cfg.inv_frac_bits - cfg.frac_bits)) + extra))
+            # pb / 2^d, plus the datapath's error: a and c rounded (j_r > 0, then K >= 0)
+            # and z rounded (K > 0); floor of one integer quotient
+            err = span_of(cfg) + 1 if jr else 0
+            t = max(t, ((pb << k) + (err << d)) // (1 << (d + k)) + (1 if k > 0 else 0))
         z = Interval(-t, t)
         return z if rep is None else rep.add("z", z)
 
@@ -1132,15 +1129,16 @@ def output_window(
     to [bot, top]).
     """
     n = cfg.n
-    z_lo, z_hi = np.zeros(n, dtype=object), np.zeros(n, dtype=object)
+    top, bot = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
+    z_abs = max(max(-z.lo, z.hi) for *_, z in channel_z)
+    b_abs = max(-int(bias.min()), int(bias.max())) if n else 0
+    m_abs = max(-int(gain.min()), int(gain.max())) if n else 0
+    wide = max(top, -bot, b_abs, z_abs, m_abs * z_abs) + m_abs >= 1 << 60
+    dt = object if wide else np.int64
+    z_lo, z_hi = np.empty(n, dtype=dt), np.empty(n, dtype=dt)
     for start, stop, z in channel_z:
         z_lo[start:stop], z_hi[start:stop] = z.lo, z.hi
-    top, bot = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
-    span = max(abs(int(v)) for v in (top, bot, *z_lo[:1], *z_hi[:1], int(np.abs(bias).max())))
-    wide = max(span, int(np.abs(gain).max()) * max(max(-z.lo, z.hi) for *_, z in channel_z)) >= 1 << 60
-    dt = object if wide else np.int64
     m, b0 = gain.astype(dt), bias.astype(dt)
-    z_lo, z_hi = z_lo.astype(dt), z_hi.astype(dt)
     live = m != 0
     ms = np.where(live, m, 1)
     off = np.where(live, -(b0 // ms), 0)

@@ -103,7 +103,7 @@ class IntRMSNorm(RsqrtNorm):
         k, n = cfg.prefix, cfg.n
         if k == n:
             return ((0, n, z),)
-        inside = cls._normalized_ranges(cfg, replace(stat, outside=None), segs, inv, j, None)
+        inside = cls._normalized_ranges(cfg, cls._products(cfg, replace(stat, outside=None), segs, inv), j, None)
         return ((0, k, inside), (k, n, z))
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
