@@ -91,16 +91,12 @@ def test_column_threads() -> None:
 
 def test_launch_geometry_follows_the_call_shapes() -> None:
     dev = cuda_device("int_layernorm.int8.n768")
-    shapes = {"x": (5, 768), "gain": (768,), "bias": (768,), "out": (5, 768)}
+    channel = ("gain", "lo", "hi", "bias")  # the half-up output window's per-channel constants
+    shapes = {"x": (5, 768), **{name: (768,) for name in channel}, "out": (5, 768)}
     (launch,) = dev.launches(shapes)
     assert (launch.grid, launch.block, launch.threads) == ((5, 1, 1), (256, 1, 1), 256)
     params = dev.kernels[0].params
-    assert sorted(a for p, a in zip(params, launch.args) if p.is_buffer) == [
-        "bias",
-        "gain",
-        "out",
-        "x",
-    ]
+    assert sorted(a for p, a in zip(params, launch.args) if p.is_buffer) == sorted([*channel, "out", "x"])
     assert [a for p, a in zip(params, launch.args) if not p.is_buffer] == [5]
     with pytest.raises(ValueError, match="rows is 5 and 6"):
         dev.launches({**shapes, "out": (6, 768)})

@@ -76,12 +76,16 @@ def slow_statistic(op, row: list[int]) -> tuple[int, list[int]]:
 def slow_row(op, row: list[int]) -> tuple[int, list[int], list[int]]:
     """(r, z, out) of one row: the per-row inverse, the normalized values, the outputs.
 
-    ε has g = eps_shift guard bits (per power p of the statistic): W = S 2^(p g) + ε_int,
-    and the numerator is scaled by 2^(h + g) (h = pre_shift) before dividing by W^(1/p)."""
+    ε has g = eps_shift guard bits (per power p of the statistic): W = S 2^(p g) + ε_int.
+    The narrow-lane stage 3: with K0 = F_r + e − F_z − (h + g), the row's multiplier
+    shift j_r = clamp(K0, 0, j) (j: the op's mult_shift), a = round(N r / 2^j_r) and
+    c = round(Σx a / N) (both times 2^up where K0 < j_r), z = round((x a − c) / 2^K).
+    The output is the unclamped formula ``sat(round((z m + B) / 2^s))``: the op's
+    clamp window must not change it."""
     cfg = op.config
     mode = cfg.rounding
     p = 1 if isinstance(op, L1LayerNorm) else 2
-    stat, num = slow_statistic(op, row)
+    stat, _ = slow_statistic(op, row)
     w = max(stat * 2 ** (p * cfg.eps_shift) + cfg.eps, 1)
     e = (w.bit_length() - cfg.mant_bits) // p
     m = w >> (p * e) if e > 0 else w << (-p * e)
@@ -92,11 +96,17 @@ def slow_row(op, row: list[int]) -> tuple[int, list[int], list[int]]:
         r = shift_mantissa(m, cfg.mant_bits, cfg.mantissa_terms)
     else:
         r = exact_rsqrt(m, f, mode)
-    t = e - cfg.pre_shift - cfg.eps_shift
+    k0 = f + e - cfg.frac_bits - cfg.pre_shift - cfg.eps_shift
+    jr = min(max(k0, 0), op._mult_shift)
+    up = max(jr - k0, 0)
+    k = k0 - jr + up
+    centered = not isinstance(op, IntRMSNorm)
+    a0 = exact_round(Fraction(r * (cfg.n if centered else 1), 1 << jr), mode)
+    c = exact_round(Fraction(sum(row) * a0, cfg.n), mode) << up if centered else 0
+    a = a0 << up
     zs, out = [], []
-    for v, g, b in zip(num, cfg.gain, cfg.bias):
-        u = exact_round(Fraction(v, 1 << t), mode) if t > 0 else v << -t
-        z = exact_round(Fraction(u * r, 1 << (f - cfg.frac_bits)), mode)
+    for v, g, b in zip(row, cfg.gain, cfg.bias):
+        z = exact_round(Fraction(v * a - c, 1 << k), mode)
         y = exact_round(Fraction(z * g + b, 1 << cfg.shift), mode)
         zs.append(z)
         out.append(min(max(y, cfg.out_fmt.lo), cfg.out_fmt.hi))
@@ -238,7 +248,7 @@ def test_shift_mantissa_selection_at_every_threshold(terms):
     mb = op.config.mant_bits
     edges = [1 << (mb - 1), (1 << (mb + 1)) - 1]
     m = np.array(sorted({v for t in mantissa_thresholds(terms, mb) for v in (t - 1, t, t + 1)} | set(edges)))
-    value = op._inverse(m.reshape(-1, 1), None)[0]
+    value = op._inverse(m.reshape(-1, 1), None)
     assert np.broadcast_to(value, (m.size, 1))[:, 0].tolist() == [shift_mantissa(int(v), mb, terms) for v in m]
 
 

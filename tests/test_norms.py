@@ -446,12 +446,12 @@ def rms_family(op) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
-# Bounds that pair the numerator's largest size with the inverse's largest value
-# (r at the bottom of its exponent's mantissa range): one row reaches both only
+# Bounds that pair the numerator's largest size (or the smallest row shift) with the
+# inverse's largest value (r at the bottom of its exponent's mantissa range): one row reaches both only
 # where the relational kink falls on a segment's bottom, so the worst-case rows
 # here reach them within a factor of two (the mantissa spans a factor of 4, its
 # square root 2).
-WITHIN_ONE_BIT = {"xa", "offset"}
+WITHIN_ONE_BIT = {"xa", "offset", "mult"}
 # The output window's stages: a channel's zc spans its saturation window, reached
 # by z values the worst-case rows need not produce (test_output_window_* checks
 # the window itself).
