@@ -13,8 +13,8 @@ from qnorm.metrics import ErrorStats, error_in_lsb, signed_error_lsb
 from qnorm.ops.base import IntOp
 from qnorm.qformat import QFormat
 
-ROW_LENGTHS = (64, 768, 4096)
-BIT_WIDTHS = (8, 4)
+ROW_LENGTHS = (64, 768, 4096, 65536)
+BIT_WIDTHS = (8, 4, 16)
 OUT_RANGE = 4.0  # outputs are formatted to cover +-4 (normalized values, gamma ~ 1)
 EPS = 1e-5
 ELEMENTS_PER_CASE = 1 << 18
@@ -36,10 +36,20 @@ def near_constant_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarra
     return rng.normal(0, 1, (rows, 1)) + 0.01 * rng.normal(0, 1, (rows, n))
 
 
+def llm_like_rows(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """Gaussian rows with a few fixed channels (1 in 512, at least one) 100x larger:
+    the per-channel activation outliers of large language models."""
+    x = rng.normal(0, 1, (rows, n))
+    outliers = rng.choice(n, max(1, n // 512), replace=False)
+    x[:, outliers] *= 100
+    return x
+
+
 DISTRIBUTIONS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
     "gaussian": gaussian_rows,
     "heavy-tailed": heavy_tailed_rows,
     "near-constant": near_constant_rows,
+    "llm-like": llm_like_rows,
 }
 
 NormBuilder = Callable[[np.ndarray, np.ndarray, float, QFormat, QFormat], IntOp]
