@@ -227,9 +227,9 @@ def test_cost_tables():
     sh, rms = build(ShiftLayerNorm, n).cost(), build(IntRMSNorm, n, partial=0.5).cost()
     assert (ln["per_row"]["sqrt"], ln["per_row"]["div"], ln["per_element"]["mul"]) == (1, 1, 2)
     assert (l1["per_row"]["sqrt"], l1["per_row"]["div"], l1["per_row"]["mul"]) == (0, 1, 0)
-    assert (sh["per_row"]["div"], sh["per_row"]["sqrt"], sh["per_element"]["mul"]) == (0, 0, 0)
+    assert (sh["per_row"]["div"], sh["per_row"]["sqrt"], sh["per_element"]["mul"]) == (0, 0, 1)
     assert sh["per_row"]["compare"] == len(mantissa_table(2)[1]) - 1
-    assert rms["per_row"]["mul"] == 32 and "const_mul" not in rms["per_element"]
+    assert rms["per_row"]["mul"] == 32 and rms["per_element"]["add"] == ln["per_element"]["add"] - 1
 
 
 # --------------------------------------------------------------------------- validation

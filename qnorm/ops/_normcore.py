@@ -1012,10 +1012,22 @@ class NormOp(IntOp):
     def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
         """Exact range of the inverse over the mantissa's range."""
 
+    def element_cost(self) -> dict[str, int]:
+        """The per-element path of stages 3 and 4: x·a (− c), z's rounding shift, the
+        output window (clamp, − off), ·m_c (a shift and negate for ShiftLayerNorm's
+        power-of-two gains: ``_scale``), + b_c, y's rounding shift, saturation."""
+        return {"mul": 2, "add": 2 + self.config.centered, "shift": 2, "clamp": 1, "saturate": 1}
+
+    def row_affine_cost(self) -> dict[str, int]:
+        """Stage 3's per-row work: N·r, Σx·a / N (a·⌊Σx/N⌋ + round(D·a/N): two
+        divisions by the constant N), the shifts."""
+        return {"mul": 2 + self.config.centered, "div": 2 * self.config.centered, "shift": 3}
+
     @abc.abstractmethod
     def cost(self) -> dict[str, dict[str, int]]:
         """Operation counts: ``per_row`` (statistic reductions included) and
-        ``per_element`` (the path each output element takes)."""
+        ``per_row_affine`` (stage 3's multiplier and offset) and ``per_element`` (the
+        path each output element takes)."""
 
     # ---- float reference helpers
 

@@ -178,6 +178,6 @@ class IntLayerNorm(RsqrtNorm):
                 "lzc": 1,
                 "shift": 1 + (self.config.eps_shift > 0),
             },
-            # N·x (constant), − S, u shift, u·r, z shift, z·m, + B, y shift, saturate
-            "per_element": {"const_mul": 1, "add": 2, "mul": 2, "shift": 3, "saturate": 1},
+            "per_element": self.element_cost(),
+            "per_row_affine": self.row_affine_cost(),
         }

@@ -125,6 +125,6 @@ class IntRMSNorm(RsqrtNorm):
             # k squares and their sum, (Q << 2g) + ε, leading-zero count, mantissa
             # shift, rsqrt
             "per_row": {"add": k, "mul": k, "div": 1, "sqrt": 1, "lzc": 1, "shift": 1 + (self.config.eps_shift > 0)},
-            # u shift, u·r, z shift, z·m, + B, y shift, saturate
-            "per_element": {"add": 1, "mul": 2, "shift": 3, "saturate": 1},
+            "per_element": self.element_cost(),
+            "per_row_affine": self.row_affine_cost(),
         }

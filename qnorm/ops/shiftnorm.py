@@ -301,13 +301,8 @@ class ShiftLayerNorm(NormOp):
                 "shift": 1 + (self.config.eps_shift > 0),
                 "compare": len(mantissa_table(terms)[1]) - 1,
             },
-            # N·x (constant), − S, u shift, 1–2 shifts (+ add), z shift, γ shift and
-            # negate, + B, y shift, saturate
-            "per_element": {
-                "const_mul": 1,
-                "add": 2 + (terms - 1) + 1,
-                "mul": 0,
-                "shift": 3 + terms + 1,
-                "saturate": 1,
-            },
+            # x·a multiplies by the row's N·(2^a ± 2^b) (rounded by 2^-j for long rows);
+            # γ is a shift and a conditional negate
+            "per_element": {**self.element_cost(), "mul": 1, "shift": 3, "negate": 1},
+            "per_row_affine": self.row_affine_cost(),
         }

@@ -103,7 +103,10 @@ class Rows:
     def __mul__(self, o: Any) -> Rows:
         # x * x is a square, not a product of two independent values: tighter bound
         iv = self.iv.square() if o is self else self.iv * self._lift(o).iv
-        return self._binary(o, iv, lambda a, b: a * b)
+        # At least 32 bits: x86 multiplies sign-extended 8/16-bit words into 32-bit sums
+        # in one instruction (vpmaddwd), where a 16-bit product needs a widening step
+        # before the row sum adds it.
+        return self._binary(o, iv, lambda a, b: a * b, "int32")
 
     __rmul__ = __mul__
 
