@@ -340,6 +340,13 @@ def bit_length(v: IntLike, max_bits: int = 62) -> IntLike:
     _check_int(v, "bit_length operand")
     v = _as_int64(v)
     _check_range(v, 0, (1 << max_bits) - 1, "bit_length operand")
+    if isinstance(v, np.ndarray) or _is_torch(v):
+        return _bit_length_of_array(v)
+    return bit_length_search(v, max_bits)
+
+
+def bit_length_search(v: IntLike, max_bits: int = 62) -> IntLike:
+    """:func:`bit_length`'s binary search itself, on any backend (what TIR and RTL run)."""
     n = v * 0
     rest = v
     step = 1 << max(0, (max_bits - 1).bit_length() - 1)  # steps sum to >= max_bits - 1
@@ -482,6 +489,13 @@ def isqrt(v: IntLike, max_input_bits: int = 62) -> IntLike:
     _check_int(v, "isqrt operand")
     v = _as_int64(v)
     _check_range(v, 0, 1 << max_input_bits, "isqrt operand")
+    if isinstance(v, np.ndarray) or _is_torch(v):
+        return _isqrt_of_array(v)
+    return isqrt_digits(v, max_input_bits)
+
+
+def isqrt_digits(v: IntLike, max_input_bits: int = 62) -> IntLike:
+    """:func:`isqrt`'s digit-by-digit loop itself, on any backend (what TIR and RTL run)."""
     top = max_input_bits + (max_input_bits & 1)  # highest power of four >= the bound
     rem = v
     res = v * 0
@@ -492,6 +506,43 @@ def isqrt(v: IntLike, max_input_bits: int = 62) -> IntLike:
         rem = select(take, rem - trial, rem)
         res = select(take, (res >> 1) + bit, res >> 1)
     return res
+
+
+def _isqrt_of_array(v: Any) -> Any:
+    """:func:`isqrt` of a numpy / torch int64 array in [0, 2^62], in a few vector ops.
+
+    The same integers as the digit-by-digit method, by another route: the float64
+    square root of float64(v) is within 2^-20 of sqrt(v) for v <= 2^62 (relative
+    error below 2^-52 twice), so its floor is floor(sqrt(v)) or one off where
+    sqrt(v) is that close to an integer; one exact integer correction each way
+    fixes it (r*r and (r+1)^2 stay below 2^63).  TIR and RTL keep the digit loop.
+    """
+    if _is_torch(v):
+        import torch
+
+        r = torch.sqrt(v.to(torch.float64)).floor().to(torch.int64)
+        r = r - (r * r > v).to(torch.int64)
+        return r + ((r + 1) * (r + 1) <= v).to(torch.int64)
+    r = np.floor(np.sqrt(v.astype(np.float64))).astype(np.int64)
+    r = r - (r * r > v)
+    return r + ((r + 1) * (r + 1) <= v)
+
+
+def _bit_length_of_array(v: Any) -> Any:
+    """:func:`bit_length` of a numpy / torch int64 array in [0, 2^62], in a few vector ops.
+
+    float64(v)'s binary exponent is the bit length, except that rounding to 53
+    bits can carry a value just below 2^k up to 2^k; ``v >> (n − 1)`` is 0 exactly
+    then, and one exact integer test corrects it.
+    """
+    if _is_torch(v):
+        import torch
+
+        n = torch.frexp(v.to(torch.float64)).exponent.to(torch.int64)
+        over = (n > 0) & ((v >> (n - 1).clamp(min=0)) == 0)
+        return n - over.to(torch.int64)
+    n = np.frexp(v.astype(np.float64))[1].astype(np.int64)
+    return n - ((n > 0) & ((v >> np.maximum(n - 1, 0)) == 0))
 
 
 def isqrt_round(v: IntLike, max_input_bits: int = 62) -> IntLike:

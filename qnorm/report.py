@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from qnorm.analysis import OverflowRiskError
 from qnorm.metrics import ErrorStats, error_in_lsb, signed_error_lsb
 from qnorm.ops.base import IntOp
 from qnorm.qformat import QFormat
@@ -61,8 +63,9 @@ class CaseResult:
     dist: str
     n: int
     bits: int
-    stats: ErrorStats
+    stats: ErrorStats | None  # None: the config is refused (``refused`` says why)
     errors: np.ndarray  # signed error in LSB, for the histogram
+    refused: str | None = None
 
 
 def input_format(x: np.ndarray, bits: int) -> QFormat:
@@ -82,7 +85,10 @@ def measure_norm(name: str, build: NormBuilder, dist: str, n: int, bits: int, se
     gamma = 1.0 + 0.1 * rng.normal(size=n)
     beta = 0.1 * rng.normal(size=n)
     in_fmt, out_fmt = input_format(x, bits), output_format(bits)
-    op = build(gamma, beta, EPS, in_fmt, out_fmt)
+    try:
+        op = build(gamma, beta, EPS, in_fmt, out_fmt)
+    except OverflowRiskError as err:  # a config the analysis refuses is a cell of its own, not a crash
+        return CaseResult(name, dist, n, bits, None, np.zeros(0), refused=str(err))
     xq = in_fmt.quantize(x)
     y = op.forward(xq)
     # The float op sees the same (dequantized) input: this isolates the op's own
@@ -112,13 +118,20 @@ def markdown_table(results: list[CaseResult]) -> str:
         out.append("|---|---|" + "---|" * len(ns))
         keys = dict.fromkeys((r.op, r.dist) for r in sel)
         for op, dist in keys:
-            cells = [_cell(next(r for r in sel if (r.op, r.dist, r.n) == (op, dist, n)).stats) for n in ns]
+            cells = [_cell(next(r for r in sel if (r.op, r.dist, r.n) == (op, dist, n))) for n in ns]
             out.append(f"| {op} | {dist} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
 
-def _cell(s: ErrorStats) -> str:
+_REFUSED = re.compile(r"'[a-z_]+' spans \[[^\]]*\], which needs \d+ bits")  # the refusal's intermediate
+_NO_NAME = re.compile(r".{0,60}")
+
+
+def _cell(r: CaseResult) -> str:
+    if r.stats is None:
+        return "refused: " + (_REFUSED.search(r.refused or "") or _NO_NAME).group(0)
+    s = r.stats
     sat = f" [{100 * s.saturated:.1f} % sat]" if s.saturated > 0 else ""
     return f"{s.max_lsb:.2f} / {s.mean_lsb:.3f} / {100 * s.within_1lsb:.1f} %{sat}"
 

@@ -91,10 +91,12 @@ def test_bits_for():
 
 
 def test_isqrt_exhaustive_below_2_pow_24():
+    """Both routes: the arrays' float-seeded one and the digit loop TIR and RTL run."""
     v = np.arange(1 << 24, dtype=np.int64)
     r = fp.isqrt(v, 24)
     assert np.all(r * r <= v) and np.all((r + 1) * (r + 1) > v)
-    assert np.array_equal(r, fp.isqrt(v))  # the full-range digit loop agrees
+    assert np.array_equal(r, fp.isqrt_digits(v, 24))
+    assert np.array_equal(r, fp.isqrt_digits(v))  # the full-range digit loop agrees
 
 
 def test_isqrt_squares_and_neighbours_whole_range():
@@ -103,7 +105,9 @@ def test_isqrt_squares_and_neighbours_whole_range():
     for v, want in ((k * k, k), (k * k - 1, k - 1), (k * k + 1, k)):
         ok = (v >= 0) & (v <= 2**62)
         assert fp.isqrt(v[ok]).tolist() == want[ok].tolist()
+        assert fp.isqrt_digits(v[ok]).tolist() == want[ok].tolist()
     assert int(fp.isqrt(np.array([2**62]))[0]) == 2**31
+    assert int(fp.isqrt_digits(np.array([2**62]))[0]) == 2**31
 
 
 @given(st.integers(0, 2**62))
@@ -216,10 +220,16 @@ def test_round_parse():
 
 
 def test_bit_length():
-    v = np.array([0, 1, 2, 3, 4, 7, 8, 255, 256, 2**40 - 1, 2**40, 2**62 - 1], dtype=np.int64)
-    assert fp.bit_length(v).tolist() == [int(x).bit_length() for x in v]
+    """Both routes (the arrays' float exponent, the binary search TIR runs), at every
+    power of two and its neighbours (where float64 rounding carries 2^k − 1 up)."""
+    p = np.array([1 << k for k in range(62)], dtype=np.int64)
+    v = np.unique(np.concatenate([[0], p - 1, p, p + 1, [2**62 - 1]]))
+    v = v[v < 2**62]
+    want = [int(x).bit_length() for x in v]
+    assert fp.bit_length(v).tolist() == want and fp.bit_length_search(v, 62).tolist() == want
     small = np.arange(1 << 12, dtype=np.int64)
     assert fp.bit_length(small, 12).tolist() == [int(x).bit_length() for x in small]
+    assert fp.bit_length_search(small, 12).tolist() == [int(x).bit_length() for x in small]
     with pytest.raises(OverflowError, match="bit_length"):
         fp.bit_length(np.array([1 << 12]), 12)
 

@@ -17,8 +17,16 @@ EXACT = ("IntLayerNorm (L2)", "L1LayerNorm", "IntRMSNorm", "partial RMSNorm p=0.
 LIMIT = {4: 0.51, 8: 0.51, 16: 0.55}
 
 
+# IntLayerNorm forms N·Σx² in int64: int16 rows of 65536 would need 64 bits there
+# (2^16 · 2^16 · 2^30 = 2^62), so the analysis refuses them; 65535 is its longest int16 row.
+REFUSED = {("IntLayerNorm (L2)", 65536, 16): "'n_sum_sq' spans [0, 4611686018427387904], which needs 64 bits"}
+
+
 def check(name: str, dist: str, n: int, bits: int) -> None:
     result = measure_norm(name, NORM_BUILDERS[name], dist, n, bits)
+    if (name, n, bits) in REFUSED:
+        assert result.stats is None and REFUSED[name, n, bits] in result.refused
+        return
     assert result.stats.max_lsb <= LIMIT[bits], (name, dist, n, bits, result.stats)
 
 
@@ -32,7 +40,7 @@ def test_error_within_the_output_rounding(name: str, dist: str, n: int, bits: in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", sorted(LIMIT))
-@pytest.mark.parametrize("n", [4096, 11008, 65536])
+@pytest.mark.parametrize("n", [4096, 11008, 65535, 65536])
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
 @pytest.mark.parametrize("name", EXACT)
 def test_error_within_the_output_rounding_on_long_rows(name: str, dist: str, n: int, bits: int) -> None:
