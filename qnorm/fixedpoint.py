@@ -206,11 +206,15 @@ def rshift_round(v: IntLike, s: IntLike, mode: Round | str = DEFAULT_ROUND) -> I
     s = 0 without a branch, so per-element shift arrays need no special case.
     """
     mode = Round.parse(mode)
-    _check_int(v, "rshift_round operand")
-    v = _as_int64(v)
-    if _is_concrete(s):
-        _check_range(s, 0, 62, "rshift_round shift amount")
-        _check_range(v, -(1 << 62), (1 << 62) - 1, "rshift_round value", int64_guard=True)
+    if type(v) is int and type(s) is int:  # exact Python ints (the range analysis): no array checks
+        if not 0 <= s <= 62:
+            raise OverflowError(f"rshift_round shift amount: operand range [{s}, {s}] outside [0, 62]")
+    else:
+        _check_int(v, "rshift_round operand")
+        v = _as_int64(v)
+        if _is_concrete(s):
+            _check_range(s, 0, 62, "rshift_round shift amount")
+            _check_range(v, -(1 << 62), (1 << 62) - 1, "rshift_round value", int64_guard=True)
     one = _one_like(s)
     half = (one << s) >> 1
     if mode is Round.FLOOR:

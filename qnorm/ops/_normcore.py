@@ -815,11 +815,10 @@ class NormOp(IntOp):
         cfg = replace(base, gain=gain, shift=shift, frac_bits=frac_bits)
         eps_s = cfg.eps_exact(params.eps)
         g = eps_guard_bits(eps_s, cls._raw_stat_hi(cfg), cfg.p)
-        gain_arr, no_bias = np.asarray(gain, dtype=np.int64), np.zeros(n, dtype=np.int64)
         while True:
             cfg = replace(cfg, eps=round_rational(eps_s * (1 << (cfg.p * g))), eps_shift=g)
             try:
-                z = cls._report(cfg, gain_arr, no_bias).check()["z"]
+                z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
                 break
             except OverflowRiskError:
                 if g == 0:
@@ -930,8 +929,8 @@ class NormOp(IntOp):
     @classmethod
     def _products(
         cls, cfg: NormConfig, stat: StatBounds, segs: dict[int, Interval], inv: Interval
-    ) -> dict[int, tuple[Fraction, int]]:
-        """Per exponent e: (max |num · r|, max |u · r|).
+    ) -> dict[int, tuple[int, int, int]]:
+        """Per exponent e: max |num · r| as the fraction ``n / d`` and max |u · r|.
 
         The op's product bound covers |u r| with u = num 2^(H − e), rounded when
         e > H (r_max more covers the exact value there), so
@@ -941,12 +940,12 @@ class NormOp(IntOp):
         out, h = {}, cfg.num_shift
         for e, u in by_exp.items():
             pb = cls._product_bound(cfg, stat, {e: segs[e]}, {e: u}, inv) + (inv.hi if e > h else 0)
-            out[e] = (pb * Fraction(2) ** (e - h), pb)
+            out[e] = (pb << max(e - h, 0), 1 << max(h - e, 0), pb)
         return out
 
     @classmethod
     def _normalized_ranges(
-        cls, cfg: NormConfig, products: dict[int, tuple[Fraction, int]], j: int, rep: RangeReport | None
+        cls, cfg: NormConfig, products: dict[int, tuple[int, int, int]], j: int, rep: RangeReport | None
     ) -> Interval:
         """xa and z (recorded when ``rep`` is given).
 
@@ -961,7 +960,7 @@ class NormOp(IntOp):
             xa = xa_bound(cfg, products, j)
             rep.add("xa", Interval(-xa, xa))
         t, d = 0, cfg.inv_frac_bits - cfg.frac_bits
-        for e, (_, pb) in products.items():
+        for e, (*_, pb) in products.items():
             jr, _, k = row_shifts(cfg, e, j)
             # pb / 2^d, plus the datapath's error: a and c rounded (j_r > 0, then K >= 0)
             # and z rounded (K > 0); floor of one integer quotient
@@ -1056,7 +1055,7 @@ def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
     return jr, up, k0 - jr + up
 
 
-def mult_shift(cfg: NormConfig, products: dict[int, tuple[Fraction, int]]) -> int:
+def mult_shift(cfg: NormConfig, products: dict[int, tuple[int, int, int]]) -> int:
     """j: the smallest cap of the per-row multiplier shift that keeps
     ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom)."""
     limit = 1 << (cfg.lanes - 2)
@@ -1066,13 +1065,13 @@ def mult_shift(cfg: NormConfig, products: dict[int, tuple[Fraction, int]]) -> in
     raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
 
 
-def xa_bound(cfg: NormConfig, products: dict[int, tuple[Fraction, int]], j: int) -> int:
-    """max |x·a − c| over the row's exponents: |num·r| / 2^j_r, plus span + 1 where
-    a and c are rounded (j_r > 0; exact otherwise)."""
+def xa_bound(cfg: NormConfig, products: dict[int, tuple[int, int, int]], j: int) -> int:
+    """max |x·a − c| over the row's exponents: |num·r| 2^up / 2^j_r, plus span + 1
+    where a and c are rounded (j_r > 0; exact otherwise)."""
     span, out = span_of(cfg), 0
-    for e, (num_r, _) in products.items():
+    for e, (num, den, _) in products.items():
         jr, up, _ = row_shifts(cfg, e, j)
-        out = max(out, math.floor(num_r * (1 << up) / (1 << jr)) + (span + 1 if jr else 0))
+        out = max(out, (num << up) // (den << jr) + (span + 1 if jr else 0))
     return out
 
 
@@ -1087,13 +1086,13 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
 
     The per-element product x·a runs in the lanes modulo 2^lanes where a is wider
     than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
-    shifts = sorted({row_shifts(cfg, e, j) for e in segs})
+    shifts = [row_shifts(cfg, e, j) for e in segs]
     nr = inv * cfg.num_mult
-    mults = [nr.rshift(jr, cfg.rounding) for jr, _, _ in shifts]
-    rep.add("mult", Interval.hull(*(v << up for m, (_, up, _) in zip(mults, shifts) for v in (m.lo, m.hi))))
+    mults = [(nr.rshift(jr, cfg.rounding), up) for jr, up in sorted({(jr, up) for jr, up, _ in shifts})]
+    rep.add("mult", Interval(min(m.lo << up for m, up in mults), max(m.hi << up for m, up in mults)))
     if cfg.centered:
         mean = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)  # Σx / N: c = round(Σx·a0/N) 2^up
-        ends = [(mean * m + Interval(-1, 1)) * (1 << up) for m, (_, up, _) in zip(mults, shifts)]
+        ends = [(mean * m + Interval(-1, 1)) * (1 << up) for m, up in mults]
         rep.add("offset", Interval(min(v.lo for v in ends), max(v.hi for v in ends)))
     rep.add("z_shift", Interval(min(k for *_, k in shifts), max(k for *_, k in shifts)))
 
