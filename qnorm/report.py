@@ -124,13 +124,13 @@ def markdown_table(results: list[CaseResult]) -> str:
     return "\n".join(out)
 
 
-_REFUSED = re.compile(r"'[a-z_]+' spans \[[^\]]*\], which needs \d+ bits")  # the refusal's intermediate
-_NO_NAME = re.compile(r".{0,60}")
+_REFUSED = re.compile(r"'([a-z_]+)' spans \[[^\]]*\], which needs (\d+) bits")  # the refusal's intermediate
 
 
 def _cell(r: CaseResult) -> str:
     if r.stats is None:
-        return "refused: " + (_REFUSED.search(r.refused or "") or _NO_NAME).group(0)
+        found = _REFUSED.search(r.refused or "")
+        return f"refused ({found.group(1)} needs {found.group(2)} bits)" if found else "refused"
     s = r.stats
     sat = f" [{100 * s.saturated:.1f} % sat]" if s.saturated > 0 else ""
     return f"{s.max_lsb:.2f} / {s.mean_lsb:.3f} / {100 * s.within_1lsb:.1f} %{sat}"
