@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qnorm.errors import DeployError
-from qnorm.nn._qat import IntModule, is_quant_tensor
+from qnorm.nn.base import IntModule
+from qnorm.nn.quantizer import is_quant_tensor
 from qnorm.nn.bnact import BNQuantAct
 from qnorm.nn.spiking import MPBNLIF
 from qnorm.ops.base import IntOp

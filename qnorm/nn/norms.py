@@ -6,7 +6,7 @@
 replacements for ``nn.LayerNorm(N)`` / ``nn.RMSNorm(N)`` (same leading constructor
 arguments, same ``weight``/``bias``/``eps`` attributes).
 
-**Forward** (bit-exact, :mod:`qnorm.nn._qat`): the input is quantized (a fixed
+**Forward** (bit-exact, :mod:`qnorm.nn._qat`: the recipe): the input is quantized (a fixed
 ``in_fmt``, a per-tensor scale calibrated in training, or a Brevitas
 ``IntQuantTensor``'s own integers); the golden op is re-derived from the current
 float γ, β, ε by its own ``from_float`` in every forward (γ into per-channel dyadic
@@ -55,7 +55,9 @@ from torch import nn
 from qnorm import fixedpoint as fp
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn._qat import InputQuantizer, Output, QATModule, Surrogate, is_quant_tensor, param_array
+from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
+from qnorm.nn.surrogate import Output, Surrogate
 from qnorm.ops._normcore import DEFAULT_OUT, NormOp
 from qnorm.qformat import QFormat
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from qnorm import fixedpoint as fp
 from qnorm.analysis import Interval, RangeReport
-from qnorm.nn._qat import IntInference
+from qnorm.nn.base import IntInference
 from qnorm.ops._xp import const_like, is_torch, row_sum
 from qnorm.ops.base import IntOp, Trace, record
 from qnorm.passes._graph import (
