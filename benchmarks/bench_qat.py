@@ -14,9 +14,11 @@ import torch
 
 from benchmarks._timing import interleaved, ratio
 from qnorm.train.data import load_digits_data
+from qnorm.train.families import FAMILIES
 from qnorm.train.models import build_model
 
-KINDS = ("float", "int_ln", "l1", "shift", "int_rms")
+# What `qnorm train` trains the transformer with by default: float LayerNorm, then every main integer norm kind.
+KINDS = FAMILIES["transformer"].defaults
 
 
 def make_step(kind: str, xb: torch.Tensor, yb: torch.Tensor):

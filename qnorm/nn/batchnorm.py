@@ -8,6 +8,7 @@ quantized input (all-reduced over the ranks under torch.distributed);
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.base import IntInference, QATModule, param_array
 from qnorm.nn.quantizer import InputQuantizer
 from qnorm.nn.sync import all_reduce_max, distributed, synced_batch_norm
 from qnorm.ops.bnfold import RationalBN, check_bn_stats, real_params
@@ -100,6 +101,10 @@ class BNQATModule(QATModule):
     (:meth:`training_stats`: the exact integer sums are all-reduced over
     ``process_group``, default the world; ``sync_stats = False`` keeps them per rank),
     so the running statistics stay bitwise identical across replicas.
+
+    BN only enters a firing or quantization decision in these layers, so every one of
+    them folds (:meth:`fold`) into an integer-threshold module with identical outputs:
+    what deployment and export run in its place.
     """
 
     running_mean: torch.Tensor
@@ -131,6 +136,10 @@ class BNQATModule(QATModule):
         self.register_buffer("running_var", torch.ones(channels))
         self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
         self.sync_stats, self.process_group = True, None  # see training_stats
+
+    @abc.abstractmethod
+    def fold(self) -> IntInference:
+        """The integer-threshold module equal to the eval-mode (running statistics) layer."""
 
     def running_stats(self) -> BatchStats:
         var = param_array(self.running_var)

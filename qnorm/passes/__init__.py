@@ -10,12 +10,12 @@ its class.
   :class:`IntFlashNormLinear` apply 1/rms after the integer matmul.
 * :func:`ln_to_rms` — LayerNorm -> :class:`CRMSNorm` where the input is zero-mean by construction.
 * :func:`fold_powernorm` — :class:`PowerNorm` -> per-channel :class:`ChannelAffine` at inference.
-* :func:`convert` — float norms -> qnorm QAT layers (kinds from :mod:`qnorm.passes.registry`);
+* :func:`convert` — float norms -> qnorm QAT layers (kinds of :mod:`qnorm.nn.kinds`, see
+  :mod:`qnorm.passes.registry`);
   channels-first norms inside :class:`PermutedNorm`, norms it cannot swap refused.
 * :func:`fold_thresholds` — MPBNLIF / BNQuantAct -> their integer-threshold folds.
 """
 
-from qnorm.passes import qat_kinds  # noqa: F401  (registers int_ln, l1, shift, int_rms)
 from qnorm.passes.bn_fold import fold_bn, fold_bn_into
 from qnorm.passes.convert import convert
 from qnorm.passes.crms import CRMSNorm, center_linear, ln_to_rms
