@@ -31,7 +31,7 @@ from qnorm.ops._normcore import NormOp
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, MPBNNeuron
-from qnorm.verify.backends import BackendError, Runner
+from qnorm.verify.registry import BackendError, Runner
 
 LAYER_DTYPE = torch.float32  # the QAT layers' parameter dtype, so the dtype they are fed in training
 
