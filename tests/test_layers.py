@@ -23,6 +23,8 @@ before it, never from one after it):
 The walk reads every module under qnorm/ and compilers/ with ``ast`` (nothing is
 imported), so it sees imports inside functions and ``importlib.import_module``
 calls with a constant name (a literal, or a module-level string constant) as well.
+Within a layer, modules do not import each other back either: the import graph has
+no cycle (a package counts as its ``__init__``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,54 @@ def test_no_import_points_up_the_layer_order() -> None:
                     f"{target} ({LAYERS[theirs][0]})"
                 )
     assert not upward, "imports pointing up the layer order:\n" + "\n".join(upward)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports (an imported name of a module counts as that module)."""
+    modules = source_modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for _, target in imports_of(module, path, known):
+            while target and target not in known:  # qnorm.ops.NORMS -> qnorm.ops
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)) is not None:
+            return cycle
+    return None
+
+
+def test_no_module_imports_itself_back() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_cycle_is_found_and_named() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_the_walk_sees_lazy_and_dynamic_imports(tmp_path: Path) -> None:
