@@ -50,14 +50,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from qnorm.demo import DeployMismatchError, run_demo, run_deploy_demo
+    from qnorm.demo import TRAIN_DIR, DeployMismatchError, run_demo, run_deploy_demo
     from qnorm.train.experiment import run_training
 
     out = args.out
     run_demo(out, seed=args.seed)
     # Train each norm/neuron kind, fold the integer SNN, print the accuracy table.
     # A folded SNN that predicts differently raises FoldMismatchError (non-zero exit).
-    table = run_training(out / "train", seed=args.seed, quick=args.quick, jobs=1 if args.quick else 2)
+    table = run_training(out / TRAIN_DIR, seed=args.seed, quick=args.quick, jobs=1 if args.quick else 2)
     print("\n## Training: int8 transformer per norm, MPBN SNN unfolded vs folded\n")
     print(table.to_markdown())
     # Train the deployable models, compile them for this CPU, check them bit for bit.

@@ -17,7 +17,19 @@ from qnorm.ops import IntRMSNorm
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, spike_agreement
 from qnorm.qformat import QFormat
-from qnorm.report import NormBuilder, markdown_table, measure_all, save_histogram
+from qnorm.report import (
+    CaseResult,
+    NormBuilder,
+    markdown_table,
+    measure_all,
+    save_histogram,
+)
+
+# What `qnorm demo --out OUT` writes under OUT; README.md quotes these reports.
+ERROR_TABLE, ERROR_HIST = "error_table.md", "error_hist.png"
+TRAIN_DIR = "train"  # the `qnorm train` run of the default families
+DEPLOY_REPORT, DEPLOY_PLOT, DEPLOY_DIR = "deploy.md", "deploy.png", "deploy"
+DEPLOY_CHECKPOINTS = "checkpoints"  # under DEPLOY_DIR, beside the compiled models
 
 
 def norm_builders() -> dict[str, NormBuilder]:
@@ -113,6 +125,15 @@ def multithreshold_markdown(rows: list[MultiThresholdRow]) -> str:
     return "\n".join(out)
 
 
+def error_table_markdown(norms: list[CaseResult], spiking: list[SpikingRow], mt: list[MultiThresholdRow]) -> str:
+    """The text of ``error_table.md``: one section per kind of op."""
+    return "\n\n".join([
+        "## Norms: integer op vs float op (same dequantized input), error in output LSB\n\n" + markdown_table(norms),
+        "## Membrane-potential BN in spiking neurons\n\n" + spiking_markdown(spiking),
+        "## BN + quantized activation folded into multi-thresholds\n\n" + multithreshold_markdown(mt),
+    ])
+
+
 def run_demo(out: Path, seed: int = 0) -> str:
     """Measure everything, write ``out/error_table.md`` and ``out/error_hist.png``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -120,15 +141,11 @@ def run_demo(out: Path, seed: int = 0) -> str:
     norms = measure_all(norm_builders(), seed)
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
-    text = "\n\n".join([
-        "## Norms: integer op vs float op (same dequantized input), error in output LSB\n\n" + markdown_table(norms),
-        "## Membrane-potential BN in spiking neurons\n\n" + spiking_markdown(spiking),
-        "## BN + quantized activation folded into multi-thresholds\n\n" + multithreshold_markdown(mt),
-    ])
-    (out / "error_table.md").write_text(text + "\n")
-    save_histogram(norms, out / "error_hist.png")
+    text = error_table_markdown(norms, spiking, mt)
+    (out / ERROR_TABLE).write_text(text + "\n")
+    save_histogram(norms, out / ERROR_HIST)
     print(text)
-    print(f"\nwrote {out / 'error_table.md'} and {out / 'error_hist.png'} in {time.perf_counter() - t0:.1f} s")
+    print(f"\nwrote {out / ERROR_TABLE} and {out / ERROR_HIST} in {time.perf_counter() - t0:.1f} s")
     bad = sum(r.folded_mismatches for r in spiking) + sum(r.folded_mismatches for r in mt)
     if bad:
         raise RuntimeError(f"folded and unfolded forms disagree on {bad} outputs")
@@ -153,6 +170,7 @@ class DeployRow:
     """One deployed model: accuracy, the bit-exact check, and what compiling it cost."""
 
     name: str
+    epochs: int
     samples: int
     qat_accuracy: float
     compiled_accuracy: float
@@ -161,6 +179,7 @@ class DeployRow:
     train_seconds: float
     compile_seconds: float
     cache_hit: bool
+    recompile_seconds: float  # compiling the same model again: a build-cache hit
     run_seconds: float
     directory: str
     library_bytes: int
@@ -181,6 +200,28 @@ def deploy_recipes(quick: bool) -> dict[str, Any]:
     return {"mixer": Recipe(epochs=8, lr=5e-3), "snn-pow2": Recipe(epochs=4, lr=3e-3)}
 
 
+def deploy_checkpoint(out: Path, name: str) -> Path:
+    """Where the demo saves the trained checkpoint of DEPLOY_MODELS[name]."""
+    return out / DEPLOY_DIR / DEPLOY_CHECKPOINTS / name
+
+
+def deploy_library(out: Path, name: str) -> Path:
+    """Where the demo saves the compiled model (``model.so`` + ``model.json``) of DEPLOY_MODELS[name]."""
+    return out / DEPLOY_DIR / name
+
+
+def demo_outputs(out: Path) -> list[Path]:
+    """Every report, plot and directory `qnorm demo --out OUT` writes under `out`."""
+    from qnorm.train.experiment import resolve_kinds, training_outputs
+
+    deployed = [path for name in DEPLOY_MODELS for path in (deploy_checkpoint(out, name), deploy_library(out, name))]
+    return [
+        out / ERROR_TABLE, out / ERROR_HIST,
+        *training_outputs(out / TRAIN_DIR, resolve_kinds()),
+        out / DEPLOY_REPORT, out / DEPLOY_PLOT, *deployed,
+    ]  # fmt: skip
+
+
 def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2) -> list[DeployRow]:
     """Train briefly -> fold -> compile for this CPU -> run the test set -> bit-exact check.
 
@@ -199,17 +240,18 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     from qnorm.train.data import load_digits_data
     from qnorm.train.experiment import Job, family_of, run_jobs
 
-    root = out / "deploy"
     phases: dict[str, float] = {}
     recipes = deploy_recipes(quick)
-    checkpoints = {name: root / "checkpoints" / name for name in DEPLOY_MODELS}
+    checkpoints = {name: deploy_checkpoint(out, name) for name in DEPLOY_MODELS}
 
     start = time.perf_counter()
     # Trained as `qnorm train --family mixer snn-pow2` trains them, with the demo's recipes.
     work = []
+    epochs = {}
     for name, (kind, config) in DEPLOY_MODELS.items():
         family, family_kind = family_of(kind, config)
         work.append(Job(family, family_kind, recipes[family], seed, checkpoints[name], progress=False))
+        epochs[name] = recipes[family].epochs
     summaries = run_jobs(work, min(jobs, len(work)), progress=False)
     train_seconds = {name: s["train_seconds"] for name, s in zip(DEPLOY_MODELS, summaries)}
     phases["train"] = time.perf_counter() - start
@@ -237,10 +279,15 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
 
         start = time.perf_counter()
         compiled = compile_model(deployable, deployable.example_input(), "x86_64")
-        directory = compiled.save(root / name, source=checkpoint_source(checkpoints[name], meta))
+        directory = compiled.save(deploy_library(out, name), source=checkpoint_source(checkpoints[name], meta))
+        # What the next `qnorm compile` of this model costs: the model key finds the library.
+        again = compile_model(deployable, deployable.example_input(), "x86_64")
+        if not again.cache_hit:
+            raise RuntimeError(f"{name}: compiling the same model again missed the build cache")
         phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - start
         print(f"{name}: {compiled.metadata['exactness']['summary']}")
-        print(f"{name}: {'cache hit' if compiled.cache_hit else 'compiled'} in {compiled.seconds:.1f} s -> {directory}")
+        print(f"{name}: {'cache hit' if compiled.cache_hit else 'compiled'} in {compiled.seconds:.1f} s -> {directory}; "
+              f"again: cache hit in {1e3 * again.seconds:.0f} ms")
 
         start = time.perf_counter()
         loaded = load_compiled(directory)
@@ -252,9 +299,10 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
         mismatches = int(np.sum(got != want))
         info = loaded.metadata
         rows.append(DeployRow(
-            name=name, samples=len(x), qat_accuracy=_accuracy(want, labels), compiled_accuracy=_accuracy(got, labels),
-            integers=int(got.size), mismatches=mismatches, train_seconds=train_seconds[name],
-            compile_seconds=compiled.seconds, cache_hit=compiled.cache_hit, run_seconds=run_seconds,
+            name=name, epochs=epochs[name], samples=len(x), qat_accuracy=_accuracy(want, labels),
+            compiled_accuracy=_accuracy(got, labels), integers=int(got.size), mismatches=mismatches,
+            train_seconds=train_seconds[name], compile_seconds=compiled.seconds, cache_hit=compiled.cache_hit,
+            recompile_seconds=again.seconds, run_seconds=run_seconds,
             directory=str(directory), library_bytes=info["library"]["bytes"], sha256=info["library"]["sha256"],
             proof=info["exactness"]["summary"],
             headroom=[a["headroom_bits"] for a in info["exactness"]["accumulators"]],
@@ -263,12 +311,12 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
 
     start = time.perf_counter()
     text = deploy_markdown(rows, quick)
-    (out / "deploy.md").write_text(text)
-    save_deploy_plot(rows, out / "deploy.png")
+    (out / DEPLOY_REPORT).write_text(text)
+    save_deploy_plot(rows, out / DEPLOY_PLOT)
     phases["report"] = time.perf_counter() - start
     print(text)
     print("phases: " + " | ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
-    print(f"wrote {out / 'deploy.md'}, {out / 'deploy.png'} and {root}/")
+    print(f"wrote {out / DEPLOY_REPORT}, {out / DEPLOY_PLOT} and {out / DEPLOY_DIR}/")
     bad = [r for r in rows if r.mismatches]
     if bad:
         raise DeployMismatchError(
@@ -283,23 +331,29 @@ def _accuracy(logits: np.ndarray, labels: Any) -> float:
 
 
 def deploy_markdown(rows: list[DeployRow], quick: bool) -> str:
+    """The text of ``deploy.md``: one table row per model (README.md quotes the table), the details below."""
     lines = [
         "## Deployment: trained QAT model vs the model compiled for this CPU (TVM, x86_64)",
         "",
-        "| model | test samples | QAT accuracy | compiled accuracy | mismatching output integers | train | compile "
-        "| run test set | library |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | accuracy, QAT = compiled | test-set integers differing | compile | cached |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        qat, compiled = f"{100 * r.qat_accuracy:.2f} %", f"{100 * r.compiled_accuracy:.2f} %"
+        accuracy = qat if qat == compiled else f"QAT {qat}, compiled {compiled}"
         compile_cell = f"{r.compile_seconds:.1f} s" + (" (cache hit)" if r.cache_hit else "")
+        model = f"{r.name}, {r.epochs} epoch{'s' if r.epochs != 1 else ''}"
         lines.append(
-            f"| {r.name} | {r.samples} | {100 * r.qat_accuracy:.2f} % | {100 * r.compiled_accuracy:.2f} % | "
-            f"**{r.mismatches}** of {r.integers} | {r.train_seconds:.1f} s | {compile_cell} | "
-            f"{1e3 * r.run_seconds:.0f} ms | {r.library_bytes / 1024:.0f} KiB |"
+            f"| {model} | {accuracy} | **{r.mismatches}** of {r.integers} | {compile_cell} | "
+            f"{1e3 * r.recompile_seconds:.0f} ms |"
         )
     lines.append("")
     for r in rows:
-        lines.append(f"- {r.name}: {r.proof}; `{r.directory}` (sha256 {r.sha256[:16]}...)")
+        lines.append(
+            f"- {r.name}: {r.samples} test samples; trained in {r.train_seconds:.1f} s; the test set runs in "
+            f"{1e3 * r.run_seconds:.0f} ms; library {r.library_bytes / 1024:.0f} KiB, `{r.directory}` "
+            f"(sha256 {r.sha256[:16]}...); {r.proof}"
+        )
     verdict = "bit-exact" if not any(r.mismatches for r in rows) else "**MISMATCH**"
     lines += [
         "",

@@ -378,7 +378,14 @@ def _rows(results: list[dict[str, Any]], out_dir: Path) -> list[Row]:
 
 
 def _checkpoint_dir(out_dir: Path, family: str, kind: str) -> Path:
+    """Where a run into `out_dir` saves the model of `kind` in `family`."""
     return out_dir / CHECKPOINTS / f"{family}-{kind}"
+
+
+def training_outputs(out_dir: Path, resolved: Sequence[tuple[str, str]]) -> list[Path]:
+    """Every table and checkpoint directory a run of these (family, kind) pairs writes into `out_dir`."""
+    return [out_dir / TABLE_MD, out_dir / TABLE_JSON,
+            *(_checkpoint_dir(out_dir, family, kind) for family, kind in resolved)]
 
 
 def default_jobs() -> int:
