@@ -39,13 +39,13 @@ from benchmarks._timing import Timing, interleaved, ratio
 from compilers.tvm.build import Built, build
 from compilers.tvm.cpu import schedule_rowwise
 from compilers.tvm.kernels import kernel_for
-from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.ops import NORMS, IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.qformat import QFormat
 from qnorm.targets import Target, load_target
 
 SHAPES: tuple[tuple[int, int], ...] = ((4096, 768), (1024, 4096))
-OPS: tuple[type[NormOp], ...] = (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm)
+OPS: tuple[type[NormOp], ...] = NORMS
 SPEEDUP_GOAL = 3.0  # x torch float32
 ROOFLINE_GOAL = 0.60  # share of the int8 copy's throughput
 L1_GOAL = 1.40  # L1LayerNorm throughput / IntLayerNorm throughput
