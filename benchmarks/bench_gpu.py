@@ -1,6 +1,6 @@
 """GPU report of scripts/gpu_check.sh: the verify matrix and int8 kernels vs torch CUDA norms.
 
-Runs on the GPU machine with its own python3: standard library only, plus torch
+Runs on the GPU host with its own python3: standard library only, plus torch
 when it is installed with CUDA (the baseline).  Inputs: the bundle's
 ``manifest.json`` and the output of compilers/tvm/harness/gpu_harness.cu for the verify plans
 and the benchmark plans (``ok LABEL ELEMENTS [time_us MEDIAN MIN]`` /

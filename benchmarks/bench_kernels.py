@@ -39,13 +39,13 @@ from benchmarks._timing import Timing, interleaved, ratio
 from compilers.tvm.build import Built, build
 from compilers.tvm.cpu import schedule_rowwise
 from compilers.tvm.kernels import kernel_for
-from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.ops import NORMS, IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.qformat import QFormat
 from qnorm.targets import Target, load_target
 
 SHAPES: tuple[tuple[int, int], ...] = ((4096, 768), (1024, 4096), (49152, 64))
-OPS: tuple[type[NormOp], ...] = (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm)
+OPS: tuple[type[NormOp], ...] = NORMS
 SPEEDUP_GOAL = 4.0  # x torch float32 (on AVX2 hosts; AVX-512 torch runs near memory speed)
 COPY_GOAL = 5.0  # at most this many times an int8 copy of the same tensor, on every host
 L1_GOAL = 1.0  # L1LayerNorm not slower than IntLayerNorm at any N

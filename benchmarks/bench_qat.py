@@ -14,10 +14,12 @@ import torch
 
 from benchmarks._timing import Timing, interleaved, ratio
 from qnorm.train.data import load_digits_data
+from qnorm.train.families import FAMILIES
 from qnorm.train.models import build_model
 
-KINDS = ("float", "int_ln", "l1", "shift", "int_rms")
-REFERENCE = "float"
+# What `qnorm train` trains the transformer with by default: float LayerNorm, then every main integer norm kind.
+KINDS = FAMILIES["transformer"].defaults
+REFERENCE = FAMILIES["transformer"].reference
 GOAL = 1.2  # at most this many times the float-LN step
 
 

@@ -140,7 +140,7 @@ def _compile(args: argparse.Namespace) -> int:
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
     if target == HLS_TARGET:
         return _compile_hls(args)
-    from compilers.tvm.graph import compile_checkpoint
+    from qnorm.train.compiled import compile_checkpoint
 
     compiled, source = compile_checkpoint(args.checkpoint, target)
     out = compiled.save(args.out, source=source)

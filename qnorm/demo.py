@@ -3,6 +3,7 @@ deployment story (:func:`run_deploy_demo`): train, fold, compile, run, check bit
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
-from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.ops import IntRMSNorm
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, spike_agreement
 from qnorm.qformat import QFormat
@@ -30,14 +31,18 @@ TRAIN_DIR = "train"  # the `qnorm train` run of the default families
 DEPLOY_REPORT, DEPLOY_PLOT, DEPLOY_DIR = "deploy.md", "deploy.png", "deploy"
 DEPLOY_CHECKPOINTS = "checkpoints"  # under DEPLOY_DIR, beside the compiled models
 
-NORM_BUILDERS: dict[str, NormBuilder] = {
-    "IntLayerNorm (L2)": IntLayerNorm.from_float,
-    "L1LayerNorm": L1LayerNorm.from_float,
-    "ShiftLayerNorm, 1 term": lambda g, b, e, i, o: ShiftLayerNorm.from_float(g, b, e, i, o, mantissa_terms=1),
-    "ShiftLayerNorm, 2 terms": lambda g, b, e, i, o: ShiftLayerNorm.from_float(g, b, e, i, o, mantissa_terms=2),
-    "IntRMSNorm": IntRMSNorm.from_float,
-    "partial RMSNorm p=0.25": lambda g, b, e, i, o: IntRMSNorm.from_float(g, b, e, i, o, partial=0.25),
-}
+
+def norm_builders() -> dict[str, NormBuilder]:
+    """The golden op of every registered integer norm kind (variants included), by its title,
+    plus partial RMSNorm (a config of int_rms, no kind of its own)."""
+    from qnorm.nn.kinds import NORM, integer_kinds
+
+    builders: dict[str, NormBuilder] = {
+        kind.title or kind.name: functools.partial(kind.golden.from_float, **dict(kind.options))
+        for kind in integer_kinds(NORM)
+    }
+    builders["partial RMSNorm p=0.25"] = functools.partial(IntRMSNorm.from_float, partial=0.25)
+    return builders
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ def run_demo(out: Path, seed: int = 0) -> str:
     """Measure everything, write ``out/error_table.md`` and ``out/error_hist.png``."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    norms = measure_all(NORM_BUILDERS, seed)
+    norms = measure_all(norm_builders(), seed)
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
     text = error_table_markdown(norms, spiking, mt)
@@ -227,10 +232,11 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     """
     import torch
 
-    from compilers.tvm.graph import checkpoint_source, compile_model, load_compiled
-    from qnorm.nn import MPBNLIF, BNQuantAct
+    from compilers.tvm.graph import compile_model, load_compiled
+    from qnorm.nn import BNQATModule
     from qnorm.passes import fold_thresholds
     from qnorm.train.checkpoint import load_checkpoint
+    from qnorm.train.compiled import checkpoint_source
     from qnorm.train.data import load_digits_data
     from qnorm.train.experiment import Job, family_of, run_jobs
 
@@ -262,7 +268,7 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
         phases["qat reference"] = phases.get("qat reference", 0.0) + time.perf_counter() - start
 
         start = time.perf_counter()
-        foldable = sum(isinstance(m, (MPBNLIF, BNQuantAct)) for m in model.modules())
+        foldable = sum(isinstance(m, BNQATModule) for m in model.modules())
         deployable = fold_thresholds(model) if foldable else model  # BN before thresholds -> integer thresholds
         if foldable:
             with torch.no_grad():

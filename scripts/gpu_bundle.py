@@ -1,7 +1,7 @@
-"""Prepare the GPU check (scripts/gpu_check.sh prepare): everything that needs TVM, done here.
+"""Prepare the GPU check (scripts/gpu_check.sh prepare): everything that needs TVM.
 
 Writes a bundle directory (default ``out/gpu_bundle``, ignored by git) that a GPU
-machine without TVM or this repo's venv runs with nvcc and compilers/tvm/harness/gpu_harness.cu:
+host without TVM or the project's venv runs with nvcc and compilers/tvm/harness/gpu_harness.cu:
 
 * ``cases/<case>/`` — per verify case: TVM's CUDA source (``kernel.cu``), nvcc's
   PTX and cubin for every architecture of qnorm/data/targets/cuda.toml, and ``verify.plan``:

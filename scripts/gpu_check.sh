@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: qnorm's CUDA kernels on a real NVIDIA GPU, bit-exact and benchmarked.
 #
-# The GPU machine has nvcc (and maybe torch) but neither TVM nor this repo's venv, so
-# the check runs in two steps:
+# A GPU host needs only nvcc and python3 (torch optional), neither TVM nor the
+# project's venv, so the check runs in two steps:
 #
-#   1. Here, on the CPU box:      scripts/gpu_check.sh prepare [BUNDLE]
+#   1. Where the venv and TVM are: scripts/gpu_check.sh prepare [BUNDLE]
 #      TVM writes every verify case's CUDA source (GPU schedule, compilers/tvm/gpu.py),
 #      nvcc builds PTX + cubin for sm_80 and sm_90, the golden model writes the inputs
 #      and expected outputs (the stored golden vectors plus the edge, exhaustive and
@@ -13,21 +13,19 @@
 #      out/gpu_bundle (ignored by git, about 20 MiB).  The harness is compiled once
 #      too, so a harness that does not build fails here.
 #
-#   2. On the GPU machine:        scripts/gpu_check.sh run [BUNDLE]
+#   2. On the GPU host:            scripts/gpu_check.sh run [BUNDLE]
 #      builds compilers/tvm/harness/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
-#      built here for the GPU's architecture, else the PTX, JIT-compiled), compares
+#      built in step 1 for the GPU's architecture, else the PTX, JIT-compiled), compares
 #      every output element with the golden output, times the benchmark kernels, and
 #      times torch.nn.functional.layer_norm / rms_norm on float16 and float32 rows of
 #      the same shapes if torch with CUDA is installed (else says so).  Needs nvcc,
 #      python3 and a CUDA GPU; takes well under 5 minutes.  Results: gpu_verify.md,
-#      gpu_bench.md, gpu_results.json and the harness logs, in $OUT when set (the
-#      device tool's output folder), else benchmarks/gpu/.  Exit status 1 if any
-#      case or benchmark kernel is not bit-exact.
+#      gpu_bench.md, gpu_results.json and the harness logs, in $OUT when set, else
+#      benchmarks/gpu/.  Exit status 1 if any case or benchmark kernel is not
+#      bit-exact.
 #
-# With the device tool of this workplace:
-#   scripts/gpu_check.sh prepare
-#   run(command="scripts/gpu_check.sh run", carry=["out/gpu_bundle"], timeout_s=420)
-# then copy the returned gpu_*.md / gpu_results.json into benchmarks/gpu/.
+# When the GPU host is another machine, copy the checkout with out/gpu_bundle to it,
+# run step 2 there, and bring gpu_*.md and gpu_results.json back into benchmarks/gpu/.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,12 +40,12 @@ prepare() {
   tmp="$(mktemp -d)"
   nvcc -O2 -std=c++17 "$repo/compilers/tvm/harness/gpu_harness.cu" -o "$tmp/gpu_harness"
   rm -rf "$tmp"
-  echo "prepared $bundle; on the GPU machine: scripts/gpu_check.sh run" >&2
+  echo "prepared $bundle; on the GPU host: scripts/gpu_check.sh run" >&2
 }
 
 run() {
   local out="${OUT:-$repo/benchmarks/gpu}" start=$SECONDS status=0
-  [[ -f "$bundle/manifest.json" ]] || { echo "no bundle at $bundle: run '$0 prepare' here first" >&2; exit 2; }
+  [[ -f "$bundle/manifest.json" ]] || { echo "no bundle at $bundle: run '$0 prepare' first" >&2; exit 2; }
   command -v nvcc >/dev/null || { echo "nvcc not found" >&2; exit 2; }
   local device
   device="$(nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader | head -1)" \

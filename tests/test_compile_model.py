@@ -124,6 +124,19 @@ def test_model_key_follows_weights_buffers_and_code_origin(mixer):
     assert model_key(nn.Sequential(model), example, target) is None  # not described by model_spec
 
 
+def test_model_key_of_a_model_a_registered_describer_knows(mixer, monkeypatch):
+    """The compiler asks qnorm.deploy.model_spec, so a family outside qnorm.train keys its models too."""
+    from qnorm.deploy import spec as deploy_spec
+
+    model, _, _ = mixer
+    target, example = compile_target("x86_64"), model.example_input()
+    wrapped = nn.Sequential(model)
+    monkeypatch.setattr(deploy_spec, "_DESCRIBERS", list(deploy_spec._DESCRIBERS))
+    deploy_spec.register_spec(lambda m: {"kind": "wrapped mixer"} if isinstance(m, nn.Sequential) else None)
+    key = model_key(wrapped, example, target)
+    assert key is not None and key != model_key(model, example, target)
+
+
 def test_ties_round_as_torch_and_qnorm_do(cache):
     """Both boundaries meet exact ties: Brevitas' quantizer (half to even, torch.round; TVM
     legalizes round to nearbyint) and the qnorm layer's input quantizer (half up)."""

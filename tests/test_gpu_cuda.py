@@ -1,10 +1,10 @@
 """CUDA: TVM's CUDA source compiled by nvcc (PTX + cubin, sm_80 and sm_90), the harness, the bundle.
 
-This machine has nvcc and no GPU: every verify case must compile (a
-representative case per family here, all 34 under ``slow``); the plan a GPU
-would run is checked by running the very same files and launches on PoCL with
-the OpenCL form of the kernel; the harness must build.  Running on a GPU is
-tested where ``nvidia-smi`` lists one, and skipped with that reason here.
+Wherever nvcc is installed, every verify case must compile (a representative
+case per family, all 34 under ``slow``); the plan a GPU would run is checked by
+running the very same files and launches on PoCL with the OpenCL form of the
+kernel; the harness must build.  Running on a GPU is tested where ``nvidia-smi``
+lists one, and skipped with that reason elsewhere.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def read_plan(path: Path) -> list[dict]:
 
 def test_a_plan_runs_on_pocl_to_its_expected_outputs(tmp_path: Path) -> None:
     """Buffers, launches and expected outputs of a plan, replayed with the OpenCL form of the
-    same kernel on PoCL: what the harness would do on a GPU, but on this machine."""
+    same kernel on PoCL: what the harness would do on a GPU, on the CPU instead."""
     opencl = pytest.importorskip("compilers.tvm.opencl")
     if opencl.unavailable():
         pytest.skip(opencl.unavailable())
@@ -302,7 +302,7 @@ def test_gpu_check_prepare(tmp_path: Path) -> None:
     assert len(manifest["cases"]) == len(CASES) and len(manifest["bench"]) == 8
     assert (
         sum(p.stat().st_size for p in tmp_path.rglob("*")) < 48 * 2**20
-    )  # fits the device tool's 64 MiB
+    )  # a bundle small enough to copy to a GPU host
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -320,7 +320,7 @@ def test_cuda_kernel_on_the_gpu(name: str) -> None:
 
 
 def test_scripts_run_without_tvm_on_the_gpu_side() -> None:
-    """bench_gpu.py runs on the GPU machine's own python3: standard library (and torch) only."""
+    """bench_gpu.py runs on the GPU host's own python3: standard library (and torch) only."""
     code = "import sys, runpy; runpy.run_path(sys.argv[1]); print(sorted(m for m in sys.modules if m in ('numpy', 'tvm', 'qnorm')))"
     done = subprocess.run([sys.executable, "-c", code, str(REPO / "benchmarks" / "bench_gpu.py")],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -4,6 +4,8 @@ integers when the quantization points are the same, measured LSB when they are n
 Measurements print with ``pytest -s tests/test_passes_flashnorm.py``."""
 
 import math
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -17,6 +19,7 @@ from qnorm import fixedpoint as fp
 from qnorm.analysis import OverflowRiskError
 from qnorm.metrics import error_in_lsb
 from qnorm.ops import IntRMSNorm
+from qnorm.ops import flashnorm as ops_flashnorm
 from qnorm.passes import (
     IntFlashNorm,
     IntFlashNormLinear,
@@ -228,3 +231,23 @@ def test_measured_difference_to_the_int8_normalize_first_pipeline():
 def test_ranges_refuse_what_int64_cannot_hold():
     with pytest.raises(OverflowRiskError, match="num"):
         random_op(1 << 15, 1, 0, QFormat(16, 1e-3), 0.0)
+
+
+def test_golden_op_takes_numpy_parameters_as_torch_ones():
+    """The golden op lives in qnorm.ops (numpy only): numpy float parameters give the very
+    op torch tensors give, and qnorm.passes still hands out that class."""
+    fmt = QFormat(8, 0.03)
+    op = random_op(24, 5, 7, fmt, 1e-5)
+    again = ops_flashnorm.IntFlashNorm.from_float(op.w_float, op.b_float, op.eps_float, fmt, OUT)
+    assert IntFlashNorm is ops_flashnorm.IntFlashNorm
+    for name in ("weight", "mult", "bias"):
+        assert np.array_equal(getattr(again, name), getattr(op, name)), name
+    assert (again.shift, again.eps) == (op.shift, op.eps)
+    x = random_rows(64, 24, fmt, 8)
+    assert np.array_equal(again.forward(x), op.forward(x))
+
+
+def test_golden_module_imports_no_torch():
+    code = "import sys, qnorm.ops.flashnorm; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

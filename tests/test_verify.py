@@ -14,7 +14,7 @@ from qnorm.cli import main
 from qnorm.ops import IntRMSNorm
 from qnorm.ops.multithreshold import BNQuant
 from qnorm.qformat import QFormat
-from qnorm.verify import backends, golden_store
+from qnorm.verify import backends, golden_store, registry
 from qnorm.verify.backends import Backend, Runner
 from qnorm.verify.cases import CASES, ROWS, TIME, case_named
 from qnorm.verify.golden_store import DEFAULT_DIR, MANIFEST, GoldenStoreError
@@ -299,7 +299,7 @@ def test_unimplemented_and_unavailable_targets_skip_with_reason(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(backends, "_KERNELS", "compilers.tvm.kernels_absent")
-    monkeypatch.delitem(backends._REGISTRY, "aarch64", raising=False)  # a target without a backend
+    monkeypatch.delitem(registry._REGISTRY, "aarch64", raising=False)  # a target without a backend
     rc, out, _ = _run(
         capsys, "verify", "--target", "aarch64", "x86_64", "--case", SMALL[1], "--elements", FEW, "--json"
     )
@@ -313,7 +313,7 @@ def test_unimplemented_and_unavailable_targets_skip_with_reason(
 
 
 def test_matrix_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delitem(backends._REGISTRY, "cuda", raising=False)  # a target without a backend
+    monkeypatch.delitem(registry._REGISTRY, "cuda", raising=False)  # a target without a backend
     rc, out, _ = _run(capsys, "verify", "--target", "cuda", "--case", *SMALL, "--elements", FEW)
     assert rc == 0
     lines = out.splitlines()

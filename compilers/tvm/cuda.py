@@ -16,8 +16,9 @@
   plans; :func:`gpu_runner` runs a kernel through the harness on this
   machine's GPU.
 
-TVM has no CUDA runtime here, and this machine has no GPU: here the kernels
-are compiled, never run (the same schedule runs on PoCL, :mod:`.opencl`).
+The TVM build qnorm uses has no CUDA runtime, so the kernels run only through
+the harness, where a GPU is present; without one they are compiled, never run
+(the same schedule runs on PoCL, :mod:`.opencl`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Every other node is TVM's own conversion.  ``aten.round`` is legalized to
 the SHA-256 of the Relax module's text with its constants, the target and the TVM
 version.  Computing that key needs the export (seconds), so a second, *model*
 key indexes it (``models/index-<key>/index.json``) for models that
-:func:`qnorm.train.models.model_spec` describes:
+:func:`qnorm.deploy.model_spec` describes (the digits models of
+:mod:`qnorm.train.models` register their describer there):
 the SHA-256 of the spec, every module's class, ``extra_repr`` and qnorm
 metadata (the golden ops' integer constants), every state tensor, the input
 signature, the target, the torch / Brevitas / TVM versions and the source text
@@ -32,7 +33,8 @@ is :func:`compilers.tvm.reproducible.relax_pipeline`, which fixes the one order
 TVM leaves to chance.
 
 :meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
-formats, versions, the library's SHA-256, the source checkpoint);
+formats, versions, the library's SHA-256, the source checkpoint, as
+:func:`qnorm.train.compiled.compile_checkpoint` records it);
 :func:`load_compiled` refuses a directory whose library does not match.
 """
 
@@ -63,10 +65,11 @@ from compilers.cache import sha256_file
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
 from compilers.tvm.reproducible import relax_pipeline
-from qnorm.deploy import ExactnessReport, export, freeze, input_format, prove_exact
+from qnorm.deploy import ExactnessReport, export, freeze, input_format, model_spec, prove_exact
 from qnorm.deploy.freeze import int_op_info
 from qnorm.errors import DeployError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
+from qnorm.nn.metadata import collect_module_metadata
 from qnorm.qformat import QFormat
 from qnorm.targets import Target, load_target, not_compiled_for, target_name
 
@@ -248,28 +251,6 @@ def compile_model(model: nn.Module, example: torch.Tensor, target: str | Target 
                          library.digests[LIBRARY])
 
 
-def compile_checkpoint(checkpoint: str | Path, target: str = "x86_64") -> tuple[CompiledModel, dict[str, Any]]:
-    """Compile a ``save_checkpoint`` directory: the compiled model and its ``source`` record."""
-    from qnorm.train.checkpoint import load_checkpoint
-
-    resolved = compile_target(target)  # refuse an unsupported target before loading anything
-    model, meta = load_checkpoint(checkpoint)
-    return compile_model(model, model.example_input(), resolved), checkpoint_source(checkpoint, meta)
-
-
-def checkpoint_source(checkpoint: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """What ``model.json`` records about the checkpoint a model was compiled from."""
-    from qnorm.train.checkpoint import META
-
-    path = Path(checkpoint)
-    return {
-        "checkpoint": str(path.resolve()),
-        "model": meta["model"],
-        "weights_sha256": meta["weights"]["sha256"],
-        "meta_sha256": sha256_file(path / META),
-    }
-
-
 def load_compiled(directory: str | Path) -> CompiledModel:
     """Load a directory written by :meth:`CompiledModel.save`, refusing a corrupt or foreign one."""
     start = time.perf_counter()
@@ -389,13 +370,10 @@ def _tensor_constants(mod: tvm.IRModule) -> list[np.ndarray]:
 
 def model_key(model: nn.Module, example: torch.Tensor, target: Target) -> str | None:
     """The model-level cache key (see the module docstring), or None for a model whose
-    code is not all in qnorm, torch and Brevitas (or that ``model_spec`` does not describe)."""
-    from qnorm.train.checkpoint import collect_module_metadata
-    from qnorm.train.models import model_spec
-
-    try:
-        spec = model_spec(model)
-    except TypeError:
+    code is not all in qnorm, torch and Brevitas (or that no registered describer of
+    :func:`qnorm.deploy.model_spec` knows)."""
+    spec = model_spec(model)
+    if spec is None:
         return None
     modules = [
         (name, f"{type(m).__module__}.{type(m).__qualname__}", m.extra_repr()) for name, m in model.named_modules()

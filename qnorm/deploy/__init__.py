@@ -8,6 +8,8 @@
 * :func:`prove_exact` (:mod:`.exactness`): the static check that every float tensor in
   that program lies on a power-of-two grid below 2^24 units, so that *any* compiler
   computes it exactly; otherwise :class:`NotDeployableError` listing every problem.
+* :func:`model_spec` (:mod:`.spec`): the JSON a model is rebuilt from, for models
+  whose family registered a describer (:func:`register_spec`).
 
 Torch only: compiling the program is :mod:`compilers.tvm.graph`'s job.
 """
@@ -20,6 +22,7 @@ from qnorm.deploy.exactness import (
 )
 from qnorm.deploy.export import export
 from qnorm.deploy.freeze import freeze, integer_ops
+from qnorm.deploy.spec import model_spec, register_spec
 
 __all__ = [
     "ExactnessReport",
@@ -28,5 +31,7 @@ __all__ = [
     "freeze",
     "input_format",
     "integer_ops",
+    "model_spec",
     "prove_exact",
+    "register_spec",
 ]

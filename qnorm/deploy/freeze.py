@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qnorm.errors import DeployError
-from qnorm.nn._qat import IntModule, is_quant_tensor
-from qnorm.nn.bnact import BNQuantAct
-from qnorm.nn.spiking import MPBNLIF
+from qnorm.nn.base import IntModule
+from qnorm.nn.batchnorm import BNQATModule
+from qnorm.nn.quantizer import is_quant_tensor
 from qnorm.ops.base import IntOp
 
 # The layers behind the custom op's string argument (an op schema cannot carry a
@@ -187,7 +187,7 @@ def _frozen_form(name: str, module: nn.Module) -> nn.Module | None:
     if isinstance(module, IntModule):
         if module.return_quant_tensor:
             raise DeployError(f"{where} ({type(module).__name__}) returns quant tensors; deployment needs float outputs")
-        layer = module.fold() if isinstance(module, (MPBNLIF, BNQuantAct)) else module
+        layer = module.fold() if isinstance(module, BNQATModule) else module
         try:
             layer.golden()
         except ValueError as err:

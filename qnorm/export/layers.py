@@ -22,7 +22,7 @@ from qnorm.export.attributes import datatype_name, fmt_attributes, norm_attribut
 from qnorm.export.graph import LayerGraph, check_width, float32_scale
 from qnorm.fixedpoint import DEFAULT_ROUND
 from qnorm.nn.bnact import MultiThresholdAct
-from qnorm.nn.norms import _IntNorm
+from qnorm.nn.norms import IntNorm
 from qnorm.qformat import QFormat
 
 DOMAIN = "qnorm.custom_op"
@@ -79,7 +79,7 @@ def multithreshold(
     return g.node("MultiThreshold", [x, t], local, shape, domain=QONNX_DOMAIN, data_layout=layout, **attrs)
 
 
-def lower_norm(layer: _IntNorm, g: LayerGraph, x: str, y: str, shape: Sequence[int]) -> None:
+def lower_norm(layer: IntNorm, g: LayerGraph, x: str, y: str, shape: Sequence[int]) -> None:
     """Quantize -> ``qnorm.custom_op::<golden op>`` -> Mul(out scale)."""
     op = layer.golden()
     ints = quantize(g, x, op.in_fmt, shape)

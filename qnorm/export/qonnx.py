@@ -40,17 +40,7 @@ from torch import nn
 from qnorm.export.graph import LayerGraph
 from qnorm.export.layers import DOMAIN, QONNX_DOMAIN, lower_multithreshold, lower_norm
 from qnorm.export.lif import lower_lif
-from qnorm.nn import (
-    MPBNLIF,
-    BNQuantAct,
-    FoldedMPBNLIF,
-    IntLayerNorm,
-    IntModule,
-    IntRMSNorm,
-    L1LayerNorm,
-    MultiThresholdAct,
-    ShiftLayerNorm,
-)
+from qnorm.nn import BNQATModule, FoldedMPBNLIF, IntModule, IntNorm, MultiThresholdAct
 
 PLACEHOLDER_DOMAIN = "qnorm.export"
 # The opset version written for a custom domain the graph does not import yet: every
@@ -59,7 +49,7 @@ CUSTOM_OPSET = 1
 
 Lowering = Callable[[Any, LayerGraph, str, str, tuple[int, ...]], None]
 _LOWERINGS: tuple[tuple[tuple[type, ...], Lowering], ...] = (
-    ((IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm), lower_norm),
+    ((IntNorm,), lower_norm),
     ((MultiThresholdAct,), lower_multithreshold),
     ((FoldedMPBNLIF,), lower_lif),
 )
@@ -88,7 +78,7 @@ def _exported_layer(name: str, module: IntModule) -> IntModule:
     if module.return_quant_tensor:
         raise ValueError(f"{where} ({type(module).__name__}) returns quant tensors; the export needs float outputs")
     try:
-        layer = module.fold() if isinstance(module, (MPBNLIF, BNQuantAct)) else module.eval()
+        layer = module.fold() if isinstance(module, BNQATModule) else module.eval()
         layer.golden()
     except ValueError as err:  # e.g. an input quantizer never calibrated
         raise ValueError(f"{where} ({type(module).__name__}): {err}") from err

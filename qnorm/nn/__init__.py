@@ -5,12 +5,16 @@ golden op's own integer body, run on torch int64 tensors); its backward is the
 gradient of a documented float surrogate.  ``layer.golden()`` returns the golden op
 for the current parameters, ``layer.qnorm_metadata()`` a JSON-ready description, and
 the BN-based layers' ``fold()`` the equivalent folded integer module.
-Shared machinery (input quantizer, autograd Function, output wrapper): :mod:`qnorm.nn._qat`.
+Shared machinery (the recipe every layer follows, and the modules of its steps): :mod:`qnorm.nn._qat`.
+The norm and neuron kinds models and conversions choose layers by: :mod:`qnorm.nn.kinds`.
 """
 
-from qnorm.nn._qat import BNQATModule, InputQuantizer, IntInference, IntModule, QATModule, QuantizedInput
+from qnorm.nn.base import IntInference, IntModule, QATModule
+from qnorm.nn.batchnorm import BNQATModule
 from qnorm.nn.bnact import BNQuantAct, MultiThresholdAct
-from qnorm.nn.norms import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm, register_training_kinds
+from qnorm.nn.kinds import register_training_kinds
+from qnorm.nn.norms import IntLayerNorm, IntNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.nn.quantizer import InputQuantizer, QuantizedInput
 from qnorm.nn.spiking import MPBNLIF, FoldedMPBNLIF
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "IntInference",
     "IntLayerNorm",
     "IntModule",
+    "IntNorm",
     "IntRMSNorm",
     "L1LayerNorm",
     "MultiThresholdAct",

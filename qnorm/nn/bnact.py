@@ -11,7 +11,7 @@ torch.distributed) and the running statistics in eval.  Backward: float BN (batc
 clipped identity, i.e. a straight-through estimator for the rounding that passes the
 gradient where ``q_lo s_out <= BN(x) <= q_hi s_out`` and zeroes it where the
 activation saturates.  Under torch.distributed the float BN's batch statistics
-span the ranks too (:func:`~qnorm.nn._qat.synced_batch_norm`).
+span the ranks too (:func:`~qnorm.nn.sync.synced_batch_norm`).
 
 :meth:`BNQuantAct.fold` gives :class:`MultiThresholdAct`, the FINN-style
 multi-threshold unit (:class:`~qnorm.ops.multithreshold.MultiThreshold`) with
@@ -25,15 +25,10 @@ from typing import Any
 import torch
 
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn._qat import (
-    BatchStats,
-    BNQATModule,
-    InputQuantizer,
-    IntInference,
-    Output,
-    rational_bn_constants,
-    to_op_layout,
-)
+from qnorm.nn.base import IntInference, to_op_layout
+from qnorm.nn.batchnorm import BatchStats, BNQATModule, rational_bn_constants
+from qnorm.nn.quantizer import InputQuantizer
+from qnorm.nn.surrogate import Output
 from qnorm.ops.base import IntOp
 from qnorm.ops.bnfold import FloatBN
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
@@ -48,7 +43,7 @@ class BNQuantAct(BNQATModule):
     ``out_fmt``: the activation format (its word range is the level range, e.g. 4-bit
     unsigned = a quantized ReLU with 16 levels).  ``in_fmt``: a fixed input format, or
     None to calibrate an ``in_bits`` (un)signed per-tensor scale in training
-    (:class:`~qnorm.nn._qat.InputQuantizer`; a power of two with ``pow2``).  ``rounding``: the tie rule of the
+    (:class:`~qnorm.nn.quantizer.InputQuantizer`; a power of two with ``pow2``).  ``rounding``: the tie rule of the
     activation (half up by default).  Output: float ``level * s_out``, or an
     IntQuantTensor with ``return_quant_tensor=True``.
     """

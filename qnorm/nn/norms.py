@@ -6,7 +6,7 @@
 replacements for ``nn.LayerNorm(N)`` / ``nn.RMSNorm(N)`` (same leading constructor
 arguments, same ``weight``/``bias``/``eps`` attributes).
 
-**Forward** (bit-exact, :mod:`qnorm.nn._qat`): the input is quantized (a fixed
+**Forward** (bit-exact, :mod:`qnorm.nn._qat`: the recipe): the input is quantized (a fixed
 ``in_fmt``, a per-tensor scale calibrated in training, or a Brevitas
 ``IntQuantTensor``'s own integers); the golden op is re-derived from the current
 float γ, β, ε by its own ``from_float`` in every forward (γ into per-channel dyadic
@@ -33,9 +33,9 @@ gradient where it did not clip.  Per layer the surrogate is
 * IntRMSNorm: ``F.rms_norm``; with ``partial = p < 1`` the partial RMS norm whose
   mean square comes from the first ``k = ceil(p N)`` elements of each row.
 
-``register_training_kinds()`` registers the layers with :mod:`qnorm.train.models`
-as the norm kinds ``int_ln``, ``l1``, ``shift``, ``shift1`` (one-term mantissa) and
-``int_rms``.
+The layers are the norm kinds ``int_ln``, ``l1``, ``shift``, ``shift1`` (one-term
+mantissa) and ``int_rms`` of :mod:`qnorm.nn.kinds`, by which models and conversions
+choose them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ from torch import nn
 from qnorm import fixedpoint as fp
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn._qat import InputQuantizer, Output, QATModule, Surrogate, is_quant_tensor, param_array
+from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
+from qnorm.nn.surrogate import Output, Surrogate
 from qnorm.ops._normcore import DEFAULT_OUT, NormOp
 from qnorm.qformat import QFormat
 
@@ -85,7 +87,7 @@ def _prove_config(
     op_cls.from_float(np.ones(n), None, eps, fmt, out_fmt, rounding=rounding, **dict(options))
 
 
-class _IntNorm(QATModule):
+class IntNorm(QATModule):
     """What the four norm layers share; a subclass names its golden op and float op.
 
     ``op_cls``: the golden op class; ``_op_options``: its extra ``from_float``
@@ -249,7 +251,7 @@ class _IntNorm(QATModule):
         )
 
 
-class IntLayerNorm(_IntNorm):
+class IntLayerNorm(IntNorm):
     """Integer LayerNorm (exact integer rsqrt) over the last axis; surrogate ``F.layer_norm``.
 
     ``out_fmt``: the output format (default int8 covering ±4, the golden ops'
@@ -264,7 +266,7 @@ class IntLayerNorm(_IntNorm):
     op_cls = ops.IntLayerNorm
 
 
-class L1LayerNorm(_IntNorm):
+class L1LayerNorm(IntNorm):
     """L1 LayerNorm (mean absolute deviation, one reciprocal per row); arguments as IntLayerNorm.
 
     Surrogate: the true L1 norm ``γ (x − μ) / (sqrt(π/2) MAD + ε) + β``.
@@ -279,7 +281,7 @@ class L1LayerNorm(_IntNorm):
         return y + b if b is not None else y
 
 
-class ShiftLayerNorm(_IntNorm):
+class ShiftLayerNorm(IntNorm):
     """Shift-based LayerNorm (1/σ and γ as powers of two); arguments as IntLayerNorm plus
     ``mantissa_terms`` (1 or 2: terms of 1/sqrt of the variance's mantissa).
 
@@ -299,7 +301,7 @@ class ShiftLayerNorm(_IntNorm):
         return {"mantissa_terms": self.mantissa_terms}
 
 
-class IntRMSNorm(_IntNorm):
+class IntRMSNorm(IntNorm):
     """Integer RMSNorm ``γ x / sqrt(mean(x²) + ε)`` over the last axis, or partial RMSNorm.
 
     Mirrors ``nn.RMSNorm`` (no β; ``eps`` a number, default 1e-5, where torch's None
@@ -349,33 +351,3 @@ class IntRMSNorm(_IntNorm):
         ms = (x[..., : self.prefix] ** 2).mean(dim=-1, keepdim=True)
         y = x / torch.sqrt(ms + self.eps)
         return y * w if w is not None else y
-
-
-def one_term_shift_layernorm(normalized_shape: int, *, pow2: bool = False) -> ShiftLayerNorm:
-    """ShiftLayerNorm with a one-term (pure power-of-two) 1/σ: the ``shift1`` training kind."""
-    return ShiftLayerNorm(normalized_shape, mantissa_terms=1, pow2=pow2)
-
-
-# Module-level ctors, so registering again (a re-import) passes the same objects,
-# which qnorm.train's registry accepts.
-TRAINING_KINDS: dict[str, Any] = {
-    "int_ln": IntLayerNorm,
-    "l1": L1LayerNorm,
-    "shift": ShiftLayerNorm,
-    "shift1": one_term_shift_layernorm,
-    "int_rms": IntRMSNorm,
-}
-
-
-def register_training_kinds() -> None:
-    """Register the layers as norm kinds of :func:`qnorm.train.models.norm_factory`.
-
-    Every one is deployable (its ctor takes ``pow2``).  Imports qnorm.train (and so
-    brevitas) only when called, never on ``import qnorm.nn``.
-    """
-    from qnorm.nn.spiking import MPBNLIF
-    from qnorm.train.models import register_neuron, register_norm
-
-    for kind, ctor in TRAINING_KINDS.items():
-        register_norm(kind, ctor, deployable=True)
-    register_neuron("int_mpbn_lif", MPBNLIF, deployable=True)

@@ -29,7 +29,7 @@ The reset is not detached (the gradient flows through it, as in the float baseli
 ``qnorm.train.models.MPBNLIF``); the soft-reset amount R is the integer neuron's
 (times the input scale), a constant; saturation clamps with zero gradient outside.
 Under torch.distributed the float BN's batch statistics span the ranks, as the
-integer forward's do (:func:`~qnorm.nn._qat.synced_batch_norm`).
+integer forward's do (:func:`~qnorm.nn.sync.synced_batch_norm`).
 
 :meth:`MPBNLIF.fold` gives :class:`FoldedMPBNLIF`: one integer threshold per channel
 (``u >= theta``, or ``u <= theta`` for gamma < 0, constant for gamma = 0) with spike
@@ -47,16 +47,10 @@ import torch
 from qnorm import fixedpoint as fp
 from qnorm.analysis import OverflowRiskError
 from qnorm.fixedpoint import Dyadic
-from qnorm.nn._qat import (
-    BatchStats,
-    BNQATModule,
-    InputQuantizer,
-    IntInference,
-    Output,
-    from_op_layout,
-    rational_bn_constants,
-    to_op_layout,
-)
+from qnorm.nn.base import IntInference, from_op_layout, to_op_layout
+from qnorm.nn.batchnorm import BatchStats, BNQATModule, rational_bn_constants
+from qnorm.nn.quantizer import InputQuantizer
+from qnorm.nn.surrogate import Output
 from qnorm.ops.base import IntOp
 from qnorm.ops.bnfold import FloatBN
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, quantize_threshold

@@ -6,16 +6,18 @@ an ``nn.Sequential``) and edit the copy of the original module, so a model keeps
 its class.
 
 * :func:`fold_bn` — BatchNorm into the preceding Conv/Linear, before weight quantization.
-* :func:`flashnorm` — RMSNorm gain into the following Linear(s); :class:`IntFlashNorm` /
-  :class:`IntFlashNormLinear` apply 1/rms after the integer matmul.
+* :func:`flashnorm` — RMSNorm gain into the following Linear(s); :class:`IntFlashNorm` (the
+  golden op, :mod:`qnorm.ops.flashnorm`) / :class:`IntFlashNormLinear` apply 1/rms after the
+  integer matmul.
 * :func:`ln_to_rms` — LayerNorm -> :class:`CRMSNorm` where the input is zero-mean by construction.
 * :func:`fold_powernorm` — :class:`PowerNorm` -> per-channel :class:`ChannelAffine` at inference.
-* :func:`convert` — float norms -> qnorm QAT layers (kinds from :mod:`qnorm.passes.registry`);
+* :func:`convert` — float norms -> qnorm QAT layers (kinds of :mod:`qnorm.nn.kinds`, see
+  :mod:`qnorm.passes.registry`);
   channels-first norms inside :class:`PermutedNorm`, norms it cannot swap refused.
 * :func:`fold_thresholds` — MPBNLIF / BNQuantAct -> their integer-threshold folds.
 """
 
-from qnorm.passes import qat_kinds  # noqa: F401  (registers int_ln, l1, shift, int_rms)
+from qnorm.ops.wquant import quantize_per_channel
 from qnorm.passes.bn_fold import fold_bn, fold_bn_into
 from qnorm.passes.convert import convert
 from qnorm.passes.crms import CRMSNorm, center_linear, ln_to_rms
@@ -35,7 +37,6 @@ from qnorm.passes.registry import (
     register_quant_act,
 )
 from qnorm.passes.thresholds import fold_thresholds
-from qnorm.passes.wquant import quantize_per_channel
 
 __all__ = [
     "CRMSNorm",

@@ -1,29 +1,34 @@
 """What :func:`qnorm.passes.convert` converts to, registered by name.
 
-* **Norm kinds**: ``register_norm_kind("int_ln", ctor, centered=True)``.  ``ctor(spec,
-  **options)`` receives a :class:`NormSpec` (the source module, channel count and
-  resolved eps) and returns a layer with ``weight``, ``bias`` (each a (C,) parameter
-  or None) and ``eps``; ``convert`` copies gamma and beta into it and checks eps.
-  ``centered`` kinds subtract the mean and replace ``nn.LayerNorm``; the others
-  replace ``nn.RMSNorm`` and :class:`~qnorm.passes.crms.CRMSNorm`.
+* **Norm kinds**: the norm kinds of :mod:`qnorm.nn.kinds` (one registry for models and
+  conversions) that say whether they subtract the mean: ``centered`` kinds replace
+  ``nn.LayerNorm``; the others replace ``nn.RMSNorm`` and
+  :class:`~qnorm.passes.crms.CRMSNorm`.  A kind's layer is built like its source
+  (:func:`layer_ctor`): channel count and resolved eps, gamma and beta present or
+  absent as there, the source's dtype and device, plus the conversion's options.
+  ``register_norm_kind("mine", ctor, centered=True)`` adds a kind with a constructor
+  of its own: ``ctor(spec, **options)`` receives a :class:`NormSpec` (the source
+  module, channel count and resolved eps).  Either way the layer has ``weight``,
+  ``bias`` (each a (C,) parameter or None) and ``eps``; ``convert`` copies gamma and
+  beta into it and checks eps.
 * **Quantized activations**: ``register_quant_act(cls, spec_of)`` where
   ``spec_of(module)`` gives its output format and rounding; a BatchNorm whose only
   consumer is such a module becomes one :class:`~qnorm.nn.BNQuantAct`.
-
-This module imports nothing from :mod:`qnorm.nn`, so layer modules can register
-from their own import.  The qnorm QAT norms are registered by
-:mod:`qnorm.passes.qat_kinds` (imported with :mod:`qnorm.passes`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from qnorm.fixedpoint import Round
+from qnorm.nn import kinds
+from qnorm.nn.kinds import NORM, Kind
 from qnorm.qformat import QFormat
 
 
@@ -55,7 +60,6 @@ class QuantActSpec:
     rounding: Round
 
 
-_NORM_KINDS: dict[str, NormKind] = {}
 _QUANT_ACTS: dict[type, Callable[[nn.Module], QuantActSpec]] = {}
 
 
@@ -65,21 +69,37 @@ def register_norm_kind(kind: str, ctor: NormCtor, *, centered: bool, replace: bo
     Registering the very same entry again is allowed (re-imports are harmless);
     silently swapping a different one in is not, unless ``replace``.
     """
-    entry = NormKind(ctor, bool(centered))
-    known = _NORM_KINDS.get(kind)
-    if known is not None and known != entry and not replace:
-        raise ValueError(f"norm kind {kind!r} is already registered to {known}")
-    _NORM_KINDS[kind] = entry
+    kinds.register(Kind(kind, NORM, convert=ctor, centered=bool(centered)), replace=replace)
 
 
 def norm_kind(kind: str) -> NormKind:
-    if kind not in _NORM_KINDS:
-        raise ValueError(f"unknown norm kind {kind!r}; registered: {', '.join(norm_kinds()) or 'none'}")
-    return _NORM_KINDS[kind]
+    """The constructor and centering of a conversion target."""
+    found = kinds.get(kind, NORM)
+    if found.centered is None:
+        raise ValueError(
+            f"norm kind {kind!r} cannot be a conversion target: it was registered without saying whether it "
+            f"subtracts the mean; conversion targets: {', '.join(norm_kinds())}"
+        )
+    return NormKind(found.convert or layer_ctor(found), found.centered)
 
 
 def norm_kinds() -> list[str]:
-    return sorted(_NORM_KINDS)
+    """The norm kinds ``convert`` can build, sorted."""
+    return sorted(k.name for k in kinds.kinds(NORM) if k.centered is not None)
+
+
+def layer_ctor(kind: Kind) -> NormCtor:
+    """``ctor(spec, **options)`` building ``kind``'s layer like the source (module docstring)."""
+    return functools.partial(_mirrored_layer, kind)
+
+
+def _mirrored_layer(kind: Kind, spec: NormSpec, **options: Any) -> nn.Module:
+    weight = getattr(spec.source, "weight", None)
+    like = {"device": weight.device, "dtype": weight.dtype} if weight is not None else {}
+    flags = {"elementwise_affine": weight is not None}
+    if kind.centered:  # RMSNorm-like layers have no beta (a CRMSNorm's nonzero one is refused by convert)
+        flags["bias"] = getattr(spec.source, "bias", None) is not None
+    return kind.build(spec.channels, eps=spec.eps, **flags, **like, **options)
 
 
 def register_quant_act(cls: type, spec_of: Callable[[nn.Module], QuantActSpec], *, replace: bool = False) -> None:

@@ -13,13 +13,13 @@ import copy
 
 from torch import nn
 
-from qnorm.nn.bnact import BNQuantAct
-from qnorm.nn.spiking import MPBNLIF
+from qnorm.nn.batchnorm import BNQATModule
 from qnorm.passes._graph import replace_modules
 
 
 def fold_thresholds(model: nn.Module) -> nn.Module:
-    """A deep copy with every MPBNLIF and BNQuantAct replaced by its ``fold()``.
+    """A deep copy with every BN-based layer (:class:`~qnorm.nn.BNQATModule`: MPBNLIF,
+    BNQuantAct) replaced by its ``fold()``.
 
     The folded modules are inference-only integer modules; each layer's input
     format must be known (fixed, or calibrated in training), else its ``fold``
@@ -27,6 +27,6 @@ def fold_thresholds(model: nn.Module) -> nn.Module:
     """
 
     def fold(m: nn.Module) -> nn.Module | None:
-        return m.fold() if isinstance(m, (MPBNLIF, BNQuantAct)) else None
+        return m.fold() if isinstance(m, BNQATModule) else None
 
     return replace_modules(copy.deepcopy(model), fold)

@@ -8,9 +8,9 @@ A checkpoint is a directory holding
 "model_checksums" the sha256 of each of its fields (`json_fields.field_checksums`),
 "metadata" is the caller's dict (hyperparameters, results...), and "modules" maps the
 qualified name of every module that has a `qnorm_metadata()` method to what it
-returns ("" is the root module); this is how quantized layers publish scales, bit
-widths, golden integer constants or folded thresholds without the checkpoint code
-knowing them.
+returns ("" is the root module; `qnorm.nn.metadata.collect_module_metadata`); this
+is how quantized layers publish scales, bit widths, golden integer constants or
+folded thresholds without the checkpoint code knowing them.
 
 Loading never unpickles anything and fails with a CheckpointError (a ValueError) that
 names the problem: missing file, size or checksum mismatch (truncated / corrupt
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qnorm.errors import CheckpointError
+from qnorm.nn.metadata import collect_module_metadata, metadata_hooks
 from qnorm.ops._normcore import DEFINITION_NOTES
 from qnorm.train.checkpoint_meta import (
     FORMAT,
@@ -54,21 +54,6 @@ from qnorm.train.json_fields import (
     listing,
 )
 from qnorm.train.models import build_model, model_spec
-
-
-def collect_module_metadata(model: nn.Module) -> dict[str, Any]:
-    """{qualified name: module.qnorm_metadata()} for every module that has the hook."""
-    return {name: hook() for name, hook in metadata_hooks(model).items()}
-
-
-def metadata_hooks(model: nn.Module) -> dict[str, Callable[[], Any]]:
-    """{qualified name: module.qnorm_metadata} for every module that has the hook."""
-    hooks = {}
-    for name, module in model.named_modules():
-        hook = getattr(module, "qnorm_metadata", None)
-        if callable(hook):
-            hooks[name] = hook
-    return hooks
 
 
 def _sha256(path: Path) -> str:

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
-from qnorm.nn._qat import synced_moments
+from qnorm.nn.sync import synced_moments
 from qnorm.train.checkpoint import save_checkpoint
 from qnorm.train.data import DigitsData, load_digits_data
 from qnorm.train.loop import (
@@ -61,7 +61,7 @@ class GlooSyncBatchNorm(_BatchNorm):
 
     Outside training, or without an initialized process group, it is plain
     BatchNorm (same state_dict keys, so checkpoints load into unconverted models).
-    The statistics come from :func:`qnorm.nn._qat.synced_moments` (two all-reduces,
+    The statistics come from :func:`qnorm.nn.sync.synced_moments` (two all-reduces,
     bitwise equal on all ranks), so the running statistics stay bitwise equal too.
     """
 

@@ -45,7 +45,7 @@ from torch.utils.data import TensorDataset
 from tqdm.auto import tqdm
 
 from qnorm.errors import UsageError
-from qnorm.nn import MPBNLIF, BNQuantAct, IntModule, register_training_kinds
+from qnorm.nn import BNQATModule, IntModule
 from qnorm.passes import fold_thresholds
 from qnorm.train.checkpoint import save_checkpoint
 from qnorm.train.data import DigitsData, load_digits_data
@@ -227,16 +227,11 @@ def resolve_kinds(
     families = family_names(families)
     if kinds is None:
         kinds = [k for f in families for k in FAMILIES[f].defaults]
-    # qnorm.nn registers its norm/neuron kinds on request; the listings need them now.
-    register_training_kinds()
     if not kinds:
         raise UsageError("no kinds to train")
     trains = {f: set(FAMILIES[f].kinds()) for f in families}
-    both = set(norm_kinds()) & set(neuron_kinds())
     resolved: list[tuple[str, str]] = []
     for kind in dict.fromkeys(kinds):
-        if kind in both:
-            raise ValueError(f"kind {kind!r} is registered both as a norm and as a neuron")
         matched = [(f, kind) for f in families if kind in trains[f]]
         if not matched:
             known = kind in norm_kinds() or kind in neuron_kinds()
@@ -319,7 +314,7 @@ def run_job(job: Job) -> dict[str, Any]:
         "test_predictions": result.predictions.tolist(),
         "integer": _has(model, (IntModule,)),
     }
-    if _has(model, (MPBNLIF, BNQuantAct)):
+    if _has(model, (BNQATModule,)):
         with torch_threads(1):
             accuracy, predictions = evaluate(fold_thresholds(model), eval_loader(data))
         summary["folded_test_accuracy"] = accuracy

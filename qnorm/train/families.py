@@ -1,8 +1,9 @@
 """The model families ``qnorm train`` trains, each once per norm or neuron kind.
 
 Plain data, no torch: ``qnorm train`` checks ``--family`` names against it before
-importing the training stack (seconds); listing a family's kinds needs the
-registered layers, so :meth:`Family.kinds` imports :mod:`qnorm.train.models` when called.
+importing the training stack (seconds).  A family's kinds come from the kind registry
+(:mod:`qnorm.nn.kinds`), so :attr:`Family.defaults` and :meth:`Family.kinds` import
+it (and :mod:`qnorm.train.models`, which adds its float neuron) when called.
 """
 
 from __future__ import annotations
@@ -19,19 +20,27 @@ class Family:
     """A model trained once per kind: ``build_model(model, **{slot: kind}, **options)``.
 
     `deployable`: only kinds whose layers calibrate power-of-two scales (every
-    checkpoint compiles); `defaults`: the kinds trained when none are named;
-    `reference`: the float kind the family's rows are compared with (None: none).
+    checkpoint compiles); `reference`: the float kind the family's rows are compared
+    with (None: none).  The kinds trained when none are named (:attr:`defaults`): the
+    reference, then every registered integer kind of the slot that is no variant.
     """
 
     model: str
-    slot: str  # "norm" or "neuron": the config field the kind fills
-    defaults: tuple[str, ...]
+    slot: str  # "norm" or "neuron" (a role of qnorm.nn.kinds): the config field the kind fills
     reference: str | None
     deployable: bool = False
     options: tuple[tuple[str, Any], ...] = ()
 
     def config(self, kind: str) -> dict[str, Any]:
         return {self.slot: kind, **dict(self.options)}
+
+    @property
+    def defaults(self) -> tuple[str, ...]:
+        """The reference (if any), then the main integer kinds this family can train, in registration order."""
+        from qnorm.nn.kinds import integer_kinds
+
+        integer = [k.name for k in integer_kinds(self.slot, variants=False) if k.deployable or not self.deployable]
+        return (*([self.reference] if self.reference else []), *integer)
 
     def kinds(self) -> list[str]:
         """The registered kinds this family trains."""
@@ -44,13 +53,11 @@ class Family:
         return f"{'deployable ' if self.deployable else ''}{self.slot} kinds"
 
 
-_INTEGER_NORMS = ("int_ln", "l1", "shift", "int_rms")
 FAMILIES = {
-    "transformer": Family("transformer", "norm", ("float", *_INTEGER_NORMS), "float"),
-    "snn": Family("snn", "neuron", ("float_mpbn_lif", "int_mpbn_lif"), "float_mpbn_lif"),
-    "mixer": Family("mixer", "norm", _INTEGER_NORMS, None, deployable=True),
-    "snn-pow2": Family("snn", "neuron", ("int_mpbn_lif",), None, deployable=True,
-                       options=(("pow2", True),)),
+    "transformer": Family("transformer", "norm", "float"),
+    "snn": Family("snn", "neuron", "float_mpbn_lif"),
+    "mixer": Family("mixer", "norm", None, deployable=True),
+    "snn-pow2": Family("snn", "neuron", None, deployable=True, options=(("pow2", True),)),
 }
 DEFAULT_FAMILIES = ("transformer", "snn")
 

@@ -17,20 +17,22 @@ s_x * s_w: on the accumulator's grid), qnorm layers whose input quantizer
 calibrates a power-of-two scale, ReLU, and means over power-of-two counts. Then a
 compiled float graph reproduces the QAT model bit for bit (see `qnorm.deploy`).
 
-Extension: `register_norm(kind, ctor)` / `register_neuron(kind, ctor)`. A norm ctor
-takes the feature size and returns a module mapping (..., dim) -> (..., dim); a neuron
-ctor takes the channel count and returns a multi-step module mapping spike-input
-currents of shape (T, B, C, *spatial) to spikes of the same shape. A kind registered
-with `deployable=True` also takes `pow2=True` (calibrate a power-of-two input scale);
-only those kinds fit the deployable models. When a kind is
-not registered yet, `qnorm.nn` is imported once, so layers that register themselves
-there are found without an explicit import (this is what lets a checkpoint of an
-"int_ln" model be rebuilt by name).
+The norm and neuron kinds are those of `qnorm.nn.kinds` (qnorm's layers and the float
+references; this module adds its float neuron "float_mpbn_lif"). Extension:
+`register_norm(kind, ctor)` / `register_neuron(kind, ctor)`. A norm ctor takes the
+feature size and returns a module mapping (..., dim) -> (..., dim); a neuron ctor takes
+the channel count and returns a multi-step module mapping spike-input currents of shape
+(T, B, C, *spatial) to spikes of the same shape. A kind registered with
+`deployable=True` also takes `pow2=True` (calibrate a power-of-two input scale); only
+those kinds fit the deployable models.
+
+`model_spec(model)` is the JSON a model is rebuilt from (`build_model`); it is
+registered with `qnorm.deploy.spec`, so the compiler's cache keys describe these
+models without importing this module.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -49,93 +51,46 @@ from brevitas.quant import (
 )
 from torch import nn
 
-ModuleCtor = Callable[[int], nn.Module]
+from qnorm.deploy.spec import register_spec
+from qnorm.nn import kinds as layer_kinds
+from qnorm.nn.kinds import NEURON, NORM, Kind
 
-
-class _Registry:
-    def __init__(self, what: str) -> None:
-        self._what = what
-        # kind -> (ctor, deployable): a deployable ctor also takes `pow2=True`.
-        self._entries: dict[str, tuple[ModuleCtor, bool]] = {}
-
-    def register(self, kind: str, ctor: ModuleCtor, *, deployable: bool, replace: bool) -> None:
-        # Re-registering the very same entry is allowed so that re-importing a plugin
-        # module is harmless; silently swapping a different one in is not.
-        known = self._entries.get(kind)
-        if known is not None and known != (ctor, deployable) and not replace:
-            raise ValueError(f"{self._what} kind {kind!r} is already registered to {known[0]!r}")
-        self._entries[kind] = (ctor, deployable)
-
-    def create(self, kind: str, size: int, pow2: bool) -> nn.Module:
-        if kind not in self._entries:
-            _import_plugins()
-        entry = self._entries.get(kind)
-        if entry is None:
-            raise ValueError(
-                f"unknown {self._what} kind {kind!r}; registered: {', '.join(self.kinds())}"
-            )
-        ctor, deployable = entry
-        if not pow2:
-            return ctor(size)
-        if not deployable:
-            raise ValueError(
-                f"{self._what} kind {kind!r} cannot calibrate a power-of-two input scale, so a "
-                f"deployable model cannot use it; deployable {self._what} kinds: "
-                f"{', '.join(self.kinds(deployable=True))}"
-            )
-        return ctor(size, pow2=True)
-
-    def kinds(self, deployable: bool = False) -> list[str]:
-        return sorted(k for k, (_, d) in self._entries.items() if d or not deployable)
-
-
-def _import_plugins() -> None:
-    # qnorm.nn registers its layers on request only: importing it must not pull in
-    # brevitas or this module.
-    importlib.import_module("qnorm.nn").register_training_kinds()
-
-
-_NORMS = _Registry("norm")
-_NEURONS = _Registry("neuron")
+ModuleCtor = Callable[..., nn.Module]
 
 
 def register_norm(kind: str, ctor: ModuleCtor, *, deployable: bool = False, replace: bool = False) -> None:
-    """Make `norm_factory(kind, dim)` return `ctor(dim)`.
+    """Make `norm_factory(kind, dim)` return `ctor(dim)` (a norm kind of `qnorm.nn.kinds`).
 
     `deployable`: `ctor(dim, pow2=True)` builds a layer that calibrates a power-of-two
     input scale, which the deployable models (the mixer) need.
     """
-    _NORMS.register(kind, ctor, deployable=deployable, replace=replace)
+    layer_kinds.register(Kind(kind, NORM, ctor, deployable=deployable), replace=replace)
 
 
 def norm_factory(kind: str, dim: int, *, pow2: bool = False) -> nn.Module:
     """Create a norm layer over the last dimension of size `dim` (`pow2`: deployable)."""
-    return _NORMS.create(kind, dim, pow2)
+    return layer_kinds.build(kind, NORM, dim, pow2=pow2)
 
 
 def norm_kinds(deployable: bool = False) -> list[str]:
     """Registered norm kinds; `deployable`: only those `norm_factory(..., pow2=True)` builds."""
-    return _NORMS.kinds(deployable)
+    return layer_kinds.names(NORM, deployable=deployable)
 
 
 def register_neuron(kind: str, ctor: ModuleCtor, *, deployable: bool = False, replace: bool = False) -> None:
     """Make `neuron_factory(kind, channels)` return `ctor(channels)`; `deployable` as in
     `register_norm`."""
-    _NEURONS.register(kind, ctor, deployable=deployable, replace=replace)
+    layer_kinds.register(Kind(kind, NEURON, ctor, deployable=deployable), replace=replace)
 
 
 def neuron_factory(kind: str, channels: int, *, pow2: bool = False) -> nn.Module:
     """Create a multi-step spiking neuron layer with `channels` channels (dim 2)."""
-    return _NEURONS.create(kind, channels, pow2)
+    return layer_kinds.build(kind, NEURON, channels, pow2=pow2)
 
 
 def neuron_kinds(deployable: bool = False) -> list[str]:
     """Registered neuron kinds; `deployable`: only those `neuron_factory(..., pow2=True)` builds."""
-    return _NEURONS.kinds(deployable)
-
-
-register_norm("float", nn.LayerNorm)
-register_norm("float_rms", nn.RMSNorm)
+    return layer_kinds.names(NEURON, deployable=deployable)
 
 
 class _ATanSpike(torch.autograd.Function):
@@ -501,6 +456,16 @@ def build_model(kind: str, **config: Any) -> nn.Module:
 
 def model_spec(model: nn.Module) -> dict[str, Any]:
     """JSON-ready {"kind", "config"} from which `build_model` rebuilds `model`."""
-    if not isinstance(model, tuple(cls for cls, _ in _MODELS.values())):
+    spec = _zoo_spec(model)
+    if spec is None:
         raise TypeError(f"{type(model).__name__} is not a qnorm.train model")
+    return spec
+
+
+def _zoo_spec(model: nn.Module) -> dict[str, Any] | None:
+    if not isinstance(model, tuple(cls for cls, _ in _MODELS.values())):
+        return None
     return {"kind": model.kind, "config": asdict(model.config)}
+
+
+register_spec(_zoo_spec)

@@ -3,7 +3,8 @@
 * :mod:`.cases` — the op × config catalogue (``CASES``).
 * :mod:`.vectors` — edge-case, exhaustive and seeded random input vectors.
 * :mod:`.golden_store` — qnorm/data/golden: stored vectors, sha256 manifest, regeneration.
-* :mod:`.backends` — the backend registry (golden, qat, x86_64, and any registered).
+* :mod:`.registry` — the backend registry and what a backend returns or raises.
+* :mod:`.backends` — every column registered (golden, qat, x86_64, the cross, GPU and HLS ones).
 * :mod:`.harness` — running, comparing (equality only) and the op × backend matrix.
 
 The names below load on first use (PEP 562): ``qnorm verify --list`` and the

@@ -17,7 +17,7 @@ from typing import Any
 from compilers.toolchains import cross_tools_missing
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
-from qnorm.verify.backends import (
+from qnorm.verify.registry import (
     Backend,
     Runner,
     Unsupported,

@@ -27,7 +27,7 @@ from compilers.toolchains import (
 )
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
-from qnorm.verify.backends import (
+from qnorm.verify.registry import (
     Backend,
     NotRun,
     Runner,

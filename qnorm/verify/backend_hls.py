@@ -1,7 +1,7 @@
 """``qnorm verify`` column fpga-hls: the HLS project of each op, run in C simulation.
 
 Per op: the target limits of ``qnorm/data/targets/fpga-hls.toml`` first
-(:func:`qnorm.verify.backends.refuse_beyond_limits`); a config they refuse is
+(:func:`qnorm.verify.registry.refuse_beyond_limits`); a config they refuse is
 reported as ``refused`` with the reason, which names the intermediate, its
 bits and the limit.  Refusing is the contract, not a defect, so it is not a
 FAIL of the matrix; it is never a pass either (no vectors run).
@@ -25,7 +25,7 @@ import numpy as np
 from compilers.toolchains import compiler_unavailable
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
-from qnorm.verify.backends import (
+from qnorm.verify.registry import (
     Backend,
     Runner,
     Unsupported,

@@ -1,15 +1,8 @@
-"""The backends ``qnorm verify`` compares with the golden model, in a registry keyed by name.
+"""The backends ``qnorm verify`` compares with the golden model: every column, registered.
 
-A :class:`Backend` says whether it can run on this machine (``unavailable()``:
-None, or the reason it cannot; ``not_run()``: None, or why it only builds its
-kernels here) and, per op, returns a :class:`Runner` mapping
-op-layout integer inputs to integer outputs, or raises :class:`Unsupported`
-(this op has no implementation on the backend yet: a SKIP with the reason,
-never a silent pass), :class:`Refused` (the target's declared widths cannot run
-the op exactly: ``refused`` with the reason) or :class:`NotRun` (built for
-hardware this machine does not have: ``compiled``).  Anything else a backend raises is a failure.
-
-Built in:
+The registry and what a backend returns or raises live in :mod:`.registry` (its
+names are re-exported here); importing this module registers every column, in
+the order the matrix shows them:
 
 * ``golden`` — the numpy golden model itself (``op.forward``).  It computes the
   expected outputs of every other column, so its own column checks the stored
@@ -17,7 +10,10 @@ Built in:
 * ``qat`` — the PyTorch QAT path: the :mod:`qnorm.nn` layer of the op's family
   in eval mode, compared as integers (:mod:`.qat_layers`, imported lazily).
 * ``x86_64`` — the TVM CPU kernels of :mod:`compilers.tvm.kernels`
-  (``kernel_for(op).build(target)``), imported lazily.
+  (``kernel_for(op).build(target)``), imported lazily;
+* ``aarch64``, ``riscv64`` (:mod:`.backend_cross`), ``opencl``, ``cuda``
+  (:mod:`.backend_gpu`) and ``fpga-hls`` (:mod:`.backend_hls`), each module
+  registering its columns.
 
 Target names come from ``qnorm.targets.known_targets()``; a target without a
 registered backend shows as SKIP ("backend not implemented").
@@ -30,92 +26,43 @@ prepared.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import platform
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
-
-from qnorm.analysis import TargetLimitError, check_target
 from qnorm.extras import missing
 from qnorm.ops.base import IntOp
-from qnorm.targets import Target, load_target
+from qnorm.verify.registry import (
+    NOT_IMPLEMENTED,
+    Backend,
+    BackendError,
+    NotRun,
+    Refused,
+    Runner,
+    Unsupported,
+    column_target,
+    get,
+    refuse_beyond_limits,
+    register,
+    registered,
+    unregister,
+)
 
-NOT_IMPLEMENTED = "backend not implemented"
-
-
-class Unsupported(Exception):
-    """The backend has no implementation for this op (reported as SKIP with the reason)."""
-
-
-class NotRun(Exception):
-    """The backend built the op's kernel but cannot run it here (its cell: ``compiled``, with the reason)."""
-
-
-class Refused(Exception):
-    """The target's declared widths cannot run this op exactly (reported as ``refused``
-    with the reason: refusing is the contract, so neither a pass nor a FAIL)."""
-
-
-def refuse_beyond_limits(op: IntOp, target: Target) -> None:
-    """Raise :class:`Refused` if ``target``'s accumulator or multiplier widths cannot
-    run ``op`` exactly (:func:`qnorm.analysis.check_target`); every compiled backend
-    calls it before building."""
-    try:
-        check_target(op, target)
-    except TargetLimitError as err:
-        raise Refused(str(err)) from None
-
-
-class BackendError(Exception):
-    """A backend ran but broke its contract (reported as FAIL with the message)."""
-
-
-@dataclass(frozen=True, eq=False)
-class Runner:
-    """Integer inputs (op layout) to integer outputs; ``via`` says how (for the report)."""
-
-    run: Callable[[np.ndarray], np.ndarray]
-    via: str
-
-
-def _available() -> str | None:
-    return None
-
-
-@dataclass(frozen=True, eq=False)
-class Backend:
-    name: str
-    description: str
-    prepare: Callable[[IntOp], Runner]
-    unavailable: Callable[[], str | None] = _available
-    stream: bool = True  # False: only the stored golden vectors (the reference itself)
-    not_run: Callable[[], str | None] = _available  # why its cells will be ``compiled`` here, if so
-
-
-_REGISTRY: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> Backend:
-    if backend.name in _REGISTRY:
-        raise ValueError(f"a backend named {backend.name!r} is already registered")
-    _REGISTRY[backend.name] = backend
-    return backend
-
-
-def unregister(name: str) -> None:
-    del _REGISTRY[name]
-
-
-def get(name: str) -> Backend | None:
-    return _REGISTRY.get(name)
-
-
-def registered() -> list[str]:
-    return list(_REGISTRY)
+__all__ = [
+    "NOT_IMPLEMENTED",
+    "Backend",
+    "BackendError",
+    "NotRun",
+    "Refused",
+    "Runner",
+    "Unsupported",
+    "column_target",
+    "get",
+    "refuse_beyond_limits",
+    "register",
+    "registered",
+    "unregister",
+]
 
 
 # --------------------------------------------------------------------------- golden
@@ -160,13 +107,6 @@ def _x86_unavailable() -> str | None:
     return None
 
 
-@functools.cache
-def column_target(name: str) -> Target:
-    """The target description of a column, loaded once per process (every backend's
-    prepare and availability check reads it)."""
-    return load_target(name)
-
-
 def _x86_prepare(op: IntOp) -> Runner:
     kernels = importlib.import_module(_KERNELS)
     target = column_target("x86_64")
@@ -180,6 +120,8 @@ def _x86_prepare(op: IntOp) -> Runner:
 
 
 register(Backend("x86_64", "TVM llvm kernels (compilers.tvm.kernels), run natively", _x86_prepare, _x86_unavailable))
+
+# The other columns register themselves on import, after the built-in ones.
 import qnorm.verify.backend_cross  # noqa: E402,F401  (registers aarch64, riscv64)
-import qnorm.verify.backend_gpu  # noqa: E402,F401  (registers cuda, opencl)
+import qnorm.verify.backend_gpu  # noqa: E402,F401  (registers opencl, cuda)
 import qnorm.verify.backend_hls  # noqa: E402,F401  (registers fpga-hls)

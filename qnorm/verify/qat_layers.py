@@ -1,12 +1,13 @@
 """The ``qat`` column of ``qnorm verify``: the PyTorch QAT path of a golden op.
 
-The :mod:`qnorm.nn` layer of the op's family (IntLayerNorm, L1LayerNorm,
-ShiftLayerNorm, IntRMSNorm, BNQuantAct and its fold MultiThresholdAct, MPBNLIF
-and its fold FoldedMPBNLIF), built from the op's float parameters and options
-in eval mode.  Its ``golden()`` must equal the op's integer config and
-constants (else FAIL: the layer's derivation drifted), and its float32 forward
-on the dequantized input must be exactly an integer times the output scale;
-those integers are compared.  Where the layer cannot hold the op (a β on
+The :mod:`qnorm.nn` layer of the op's family, built from the op's float
+parameters and options in eval mode: for a norm or a neuron, the layer of the
+registered kind that runs the op (:func:`qnorm.nn.kinds.for_golden`: IntLayerNorm,
+L1LayerNorm, ShiftLayerNorm, IntRMSNorm, MPBNLIF and its fold FoldedMPBNLIF), and
+BNQuantAct and its fold MultiThresholdAct for BN + quantized activation.  Its
+``golden()`` must equal the op's integer config and constants (else FAIL: the
+layer's derivation drifted), and its float32 forward on the dequantized input
+must be exactly an integer times the output scale; those integers are compared.  Where the layer cannot hold the op (a β on
 RMSNorm, per-neuron parameters, ...) the op's own ``_forward`` runs on torch
 int64 tensors, which is what every layer computes.
 
@@ -16,6 +17,7 @@ loads this module only when a case is prepared.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +25,13 @@ import numpy as np
 import torch
 
 from qnorm import nn as qnn
-from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.nn.kinds import NEURON, Kind, for_golden
+from qnorm.ops import IntRMSNorm, ShiftLayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, MPBNNeuron
-from qnorm.verify.backends import BackendError, Runner
+from qnorm.verify.registry import BackendError, Runner
 
 LAYER_DTYPE = torch.float32  # the QAT layers' parameter dtype, so the dtype they are fed in training
 
@@ -84,10 +87,9 @@ def _per_channel(shape: tuple[int, ...]) -> int:
     return shape[0]
 
 
-def _norm_layer(op: NormOp) -> torch.nn.Module:
-    """The qnorm.nn norm layer of the op's class with its γ, β, ε, formats and options."""
+def _norm_layer(kind: Kind, op: NormOp) -> torch.nn.Module:
+    """The norm layer of ``kind`` with the op's γ, β, ε, formats and options."""
     cfg, p = op.config, op.params
-    cls = _NORM_LAYERS[type(op)]
     options: dict[str, Any] = {"partial": cfg.partial} if isinstance(op, IntRMSNorm) else {}
     if isinstance(op, IntRMSNorm):
         if np.any(p.beta != 0):
@@ -96,7 +98,7 @@ def _norm_layer(op: NormOp) -> torch.nn.Module:
         options["bias"] = True
     if isinstance(op, ShiftLayerNorm):
         options["mantissa_terms"] = cfg.mantissa_terms
-    layer = cls(cfg.n, p.eps, out_fmt=op.out_fmt, in_fmt=op.in_fmt, rounding=cfg.rounding, **options)
+    layer = kind.build(cfg.n, eps=p.eps, out_fmt=op.out_fmt, in_fmt=op.in_fmt, rounding=cfg.rounding, **options)
     with torch.no_grad():
         layer.weight.copy_(torch.from_numpy(p.gamma))
         if layer.bias is not None:
@@ -115,10 +117,10 @@ def _bn_layer(op: BNQuant | MultiThreshold) -> torch.nn.Module:
     return layer.eval()
 
 
-def _lif_layer(op: MPBNNeuron | FoldedLIFNeuron) -> torch.nn.Module:
-    """MPBNLIF holding the op's float parameters and dynamics (eval mode)."""
+def _lif_layer(kind: Kind, op: MPBNNeuron | FoldedLIFNeuron) -> torch.nn.Module:
+    """The neuron layer of ``kind`` (MPBNLIF) holding the op's float parameters and dynamics (eval mode)."""
     ref, bn, cfg = op.reference, op.params.bn, op.cfg
-    layer = qnn.MPBNLIF(
+    layer = kind.build(
         _per_channel(bn.shape), v_th=_uniform(ref.v_th, "v_th"), leak=cfg.leak, reset=cfg.reset,
         comparator=cfg.comparator, u_rest=cfg.u_rest, membrane_bits=cfg.membrane_bits, saturate=cfg.saturate,
         max_steps=cfg.max_steps, in_fmt=cfg.in_fmt, eps=_uniform(ref.bn.eps, "eps"), frac_bits=bn.frac_bits,
@@ -137,21 +139,28 @@ def _load_bn_state(layer: torch.nn.Module, ref: Any) -> None:
         layer.running_var.copy_(torch.from_numpy(ref.var))
 
 
-_NORM_LAYERS: dict[type, type] = {
-    IntLayerNorm: qnn.IntLayerNorm,
-    L1LayerNorm: qnn.L1LayerNorm,
-    ShiftLayerNorm: qnn.ShiftLayerNorm,
-    IntRMSNorm: qnn.IntRMSNorm,
-}
-
-# Golden op class -> (layer description, module factory) for families with a qnorm.nn layer.
-_LAYERS: dict[type, tuple[str, Callable[[Any], torch.nn.Module]]] = {
-    **{op_cls: (f"qnorm.nn.{layer.__name__}", _norm_layer) for op_cls, layer in _NORM_LAYERS.items()},
+# BN + quantized activation is no norm or neuron kind (convert makes it from a BatchNorm).
+_BN_LAYERS: dict[type, tuple[str, Callable[[Any], torch.nn.Module]]] = {
     BNQuant: ("qnorm.nn.BNQuantAct", _bn_layer),
     MultiThreshold: ("qnorm.nn.BNQuantAct(...).fold() = MultiThresholdAct", lambda op: _bn_layer(op).fold()),
-    MPBNNeuron: ("qnorm.nn.MPBNLIF", _lif_layer),
-    FoldedLIFNeuron: ("qnorm.nn.MPBNLIF(...).fold() = FoldedMPBNLIF", lambda op: _lif_layer(op).fold()),
 }
+# Folded golden ops -> the golden op whose kind's layer folds into them.
+_UNFOLDED: dict[type, type] = {FoldedLIFNeuron: MPBNNeuron}
+
+
+def _layer_for(op: IntOp) -> tuple[str, Callable[[Any], torch.nn.Module]] | None:
+    """(layer description, module factory) of the op's family; None where no qnorm.nn layer runs it."""
+    if type(op) in _BN_LAYERS:
+        return _BN_LAYERS[type(op)]
+    unfolded = _UNFOLDED.get(type(op), type(op))
+    kind = for_golden(unfolded)
+    if kind is None or kind.layer is None:
+        return None
+    build = functools.partial(_lif_layer if kind.role == NEURON else _norm_layer, kind)
+    desc = f"qnorm.nn.{kind.layer.__name__}"
+    if unfolded is type(op):
+        return desc, build
+    return f"{desc}(...).fold()", lambda o: build(o).fold()
 
 
 def _op_body_runner(op: IntOp, why: str) -> Runner:
@@ -164,7 +173,7 @@ def _op_body_runner(op: IntOp, why: str) -> Runner:
 
 def prepare(op: IntOp) -> Runner:
     """The ``qat`` column's runner for ``op``: its qnorm.nn layer in eval mode, or the op body."""
-    found = _LAYERS.get(type(op))
+    found = _layer_for(op)
     if found is None:
         return _op_body_runner(op, "no qnorm.nn layer for this family")
     desc, factory = found

@@ -1,17 +1,32 @@
-"""Symmetric per-output-channel weight quantization, as the integer passes use it."""
+"""Symmetric per-output-channel weight quantization, as the integer ops with weights use it.
+
+Takes a torch tensor (any device) or a numpy array without importing torch, so the
+golden ops that quantize weights (:mod:`qnorm.ops.flashnorm`) stay numpy-only.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import torch
 
 from qnorm.fixedpoint import DEFAULT_ROUND, Round, int_range, round_float
+from qnorm.ops._xp import is_torch
+
+
+def as_float64(values: Any) -> np.ndarray:
+    """Float parameters (a numpy array, or a torch tensor on any device) as float64 numpy; exact widening."""
+    if is_torch(values):
+        values = values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64)
 
 
 def quantize_per_channel(
-    weight: torch.Tensor, bits: int = 8, mode: Round | str = DEFAULT_ROUND
+    weight: Any, bits: int = 8, mode: Round | str = DEFAULT_ROUND
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ints, scales)`` with ``weight[c] ~ ints[c] * scales[c]``; int64 and float64 numpy.
+
+    ``weight``: a torch tensor or a numpy array (:func:`as_float64`).
 
     ``scales[c] = max |weight[c]| / (2^(bits-1) - 1)`` in float64 (narrow range, so
     ``-w`` quantizes to ``-ints``), then ``round(w / scale)`` by ``mode`` with the
@@ -20,7 +35,7 @@ def quantize_per_channel(
     from it is 0 and cannot inflate a shift shared with the other channels.
     Output channel = axis 0.
     """
-    w = weight.detach().to("cpu", torch.float64).numpy()
+    w = as_float64(weight)
     if not np.all(np.isfinite(w)):
         raise ValueError("weight contains NaN or Inf")
     hi = int_range(bits)[1]

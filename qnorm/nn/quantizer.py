@@ -1,0 +1,239 @@
+"""The input side of the QAT layers: float or Brevitas IntQuantTensor in, integers out.
+
+:class:`InputQuantizer` quantizes a float tensor with a fixed
+:class:`~qnorm.qformat.QFormat` or a calibrated per-tensor scale, or takes a Brevitas
+``IntQuantTensor``'s own integers, into a :class:`QuantizedInput`: int64 integers,
+their format, the dequantized value and the straight-through mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from qnorm.extras import install_hint
+from qnorm.nn.sync import all_reduce_max, distributed
+from qnorm.qformat import QFormat
+
+COMPUTE_DTYPE = torch.int64
+
+
+def power_of_two_ceil(scale: float) -> float:
+    """The smallest power of two >= ``scale`` (> 0), exactly (``frexp``/``ldexp``, no log)."""
+    mantissa, exponent = math.frexp(scale)
+    return scale if mantissa == 0.5 else math.ldexp(1.0, exponent)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedInput:
+    """What a layer computes on: integers, their format, and where gradients go.
+
+    ``value``: the tensor the input gradient is returned for (the float input, or the
+    IntQuantTensor's ``value``).  ``dequant``: ``ints * scale`` in ``value``'s dtype,
+    detached; the surrogate is evaluated there.  ``pass_mask``: the quantizer's
+    straight-through mask (1 where it did not clip; None for IntQuantTensor input,
+    whose quantizer is upstream and already shaped ``value``'s gradient).
+    """
+
+    ints: torch.Tensor
+    fmt: QFormat
+    value: torch.Tensor
+    dequant: torch.Tensor
+    pass_mask: torch.Tensor | None
+
+
+def check_finite_float(x: torch.Tensor, name: str = "input") -> None:
+    """Refuse non-float dtypes and NaN/Inf values, naming the problem."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a float torch.Tensor or a Brevitas IntQuantTensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor (or a Brevitas IntQuantTensor), got dtype {x.dtype}")
+    if torch.isnan(x).any():
+        raise ValueError(f"{name} contains NaN; NaN has no fixed-point value")
+    if torch.isinf(x).any():
+        raise ValueError(f"{name} contains Inf; Inf has no fixed-point value")
+
+
+def quantize_float(x: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`QFormat.quantize` (round half up, saturate) of a torch tensor, and the STE mask.
+
+    The spec's own quantizer on the float64 tensor (torch operations on the input's
+    device, the same float64 steps as on numpy, so the same integers), and
+    :meth:`QFormat.in_range`: True where ``x / scale`` was not clipped.
+    """
+    return fmt.quantize_with_mask(x.detach().to(torch.float64))
+
+
+def int_quant_tensor_type() -> type:
+    try:
+        from brevitas.quant_tensor import IntQuantTensor
+    except ImportError as err:  # brevitas is an optional dependency
+        raise ValueError(f"IntQuantTensor input/output needs brevitas: {install_hint('brevitas')}") from err
+    return IntQuantTensor
+
+
+def is_quant_tensor(x: Any) -> bool:
+    """True for any Brevitas QuantTensor (checked by module, so brevitas stays unimported)."""
+    return type(x).__module__.startswith("brevitas")
+
+
+def from_quant_tensor(qt: Any) -> QuantizedInput:
+    """Brevitas' own integers and per-tensor scale; refuses what has no QFormat."""
+    if not isinstance(qt, int_quant_tensor_type()):
+        raise ValueError(f"only Brevitas IntQuantTensor inputs are supported, got {type(qt).__name__}")
+    check_finite_float(qt.value, "IntQuantTensor value")
+    if qt.scale.numel() != 1:
+        raise ValueError(
+            f"IntQuantTensor has a per-channel scale of shape {tuple(qt.scale.shape)}; "
+            "qnorm layers need one per-tensor scale"
+        )
+    if bool((qt.zero_point != 0).any()):
+        raise ValueError("IntQuantTensor has a non-zero zero point; qnorm layers need symmetric (zero point 0) input")
+    bits = float(qt.bit_width)
+    if not bits.is_integer():
+        raise ValueError(f"IntQuantTensor bit width {bits} is not an integer")
+    fmt = QFormat(int(bits), float(qt.scale.detach()), bool(qt.signed))
+    try:
+        ints = qt.int().to(COMPUTE_DTYPE)
+    except RuntimeError as err:  # Brevitas refuses a value that is not on its integer grid
+        raise ValueError(f"IntQuantTensor is not valid: {err}") from err
+    if ints.numel() and (int(ints.min()) < fmt.lo or int(ints.max()) > fmt.hi):
+        raise ValueError(
+            f"IntQuantTensor integers span [{int(ints.min())}, {int(ints.max())}], outside its "
+            f"declared {fmt.bits}-bit range [{fmt.lo}, {fmt.hi}]"
+        )
+    return QuantizedInput(ints, fmt, qt.value, qt.value.detach(), None)
+
+
+class InputQuantizer(nn.Module):
+    """Float or IntQuantTensor in; int64 integers, their format and the STE mask out.
+
+    ``fmt`` given: a fixed format.  ``fmt`` None: a per-tensor scale
+    ``running_max_abs / hi`` for a ``bits``-wide (un)signed word, where
+    ``running_max_abs`` is an exponential moving average (``momentum``) of each
+    training batch's max |x|, started at the first non-zero batch and frozen in eval
+    (a never-calibrated quantizer refuses eval input).  The update runs in Python
+    float64 on the host, so the scale is the same on every device.
+
+    An IntQuantTensor input brings its own format (Brevitas' integers are used as they
+    are: the rounding that made them, half to even, is upstream).  A fixed-format
+    quantizer refuses one whose format differs; a calibrating quantizer adopts it.
+    Rounding of float input is half up (qnorm's default, :meth:`QFormat.quantize`).
+
+    ``pow2``: the calibrated scale is rounded *up* to a power of two (so max |x| still
+    fits).  A power-of-two scale makes ``x / scale`` exact in any float format, which
+    is what lets a compiled float graph around the layer reproduce its integers
+    (:mod:`qnorm.deploy`).  Fixed formats are used as given.
+
+    Under ``torch.distributed`` (initialized, training) the batch max |x| is the max
+    over all ranks (one all-reduce MAX in ``process_group``, default the world), so
+    every replica calibrates the same scale, the one single-process training on the
+    concatenated batch would; ``sync_stats = False`` keeps it per rank.
+
+    **Outlier batches are refused.**  Once a range is calibrated, a training batch
+    whose max |x| exceeds it more than ``max_jump`` (2^10) times raises a ValueError
+    and leaves the calibration as it was.  One such batch (a diverged activation, an
+    input scaled by 1e30) would otherwise lift the scale so far that every later input
+    rounds to 0 and the layer outputs only β.  Refusing, rather than warning and
+    skipping the update, stops training at the batch that caused it: a skipped update
+    keeps training on with a range that may no longer fit, behind a warning that
+    scrolls by.  Legitimate ranges move by a few times at most between batches (the
+    calibration is a moving average); where a range really jumps, set ``max_jump``
+    higher on that quantizer (``math.inf`` turns the check off).
+    """
+
+    running_max_abs: torch.Tensor
+    max_jump: float = 2.0**10
+
+    def __init__(
+        self,
+        fmt: QFormat | None = None,
+        *,
+        bits: int = 8,
+        signed: bool = True,
+        momentum: float = 0.1,
+        pow2: bool = False,
+    ) -> None:
+        super().__init__()
+        if fmt is not None and not isinstance(fmt, QFormat):
+            raise ValueError(f"fmt must be a QFormat or None, got {type(fmt).__name__}")
+        if not 0.0 < momentum <= 1.0:
+            raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+        self.fixed = fmt
+        self.bits, self.signed = (fmt.bits, fmt.signed) if fmt is not None else (bits, signed)
+        self.hi = QFormat(self.bits, 1.0, self.signed).hi  # also validates bits
+        self.momentum = momentum
+        self.pow2 = bool(pow2)
+        self.register_buffer("running_max_abs", torch.zeros((), dtype=torch.float64))
+        self._qt_fmt: QFormat | None = None
+        self.sync_stats, self.process_group = True, None  # see the class docstring
+
+    @property
+    def fmt(self) -> QFormat | None:
+        """The current input format: fixed, else the last IntQuantTensor's, else calibrated."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._qt_fmt is not None:
+            return self._qt_fmt
+        peak = float(self.running_max_abs)
+        if peak <= 0:
+            return None
+        scale = peak / self.hi
+        return QFormat(self.bits, power_of_two_ceil(scale) if self.pow2 else scale, self.signed)
+
+    def forward(self, x: torch.Tensor | Any) -> QuantizedInput:
+        if is_quant_tensor(x):
+            q = from_quant_tensor(x)
+            if self.fixed is not None and q.fmt != self.fixed:
+                raise ValueError(
+                    f"IntQuantTensor format {q.fmt} differs from this layer's fixed input format {self.fixed}"
+                )
+            self._qt_fmt = q.fmt if self.fixed is None else None
+            return q
+        check_finite_float(x)
+        self._qt_fmt = None
+        if self.training and self.fixed is None:
+            self._calibrate_on(x)
+        fmt = self.fmt
+        if fmt is None:
+            raise ValueError(
+                "the input quantizer is not calibrated: run training batches with non-zero input "
+                "first, or give the layer a fixed in_fmt"
+            )
+        ints, inside = quantize_float(x, fmt)
+        dequant = ints.to(x.dtype) * fmt.scale
+        return QuantizedInput(ints, fmt, x, dequant, inside.to(x.dtype))
+
+    def _calibrate_on(self, x: torch.Tensor) -> None:
+        """Update the calibration with the batch max |x|, the max over all ranks under torch.distributed."""
+        sync = self.sync_stats and distributed()
+        if not (x.numel() or sync):
+            return
+        peak = x.detach().abs().max().to(torch.float64) if x.numel() else x.new_zeros((), dtype=torch.float64)
+        if sync:  # every rank joins the reduction (an empty shard with 0), so none waits forever
+            peak = all_reduce_max(peak, self.process_group)
+        self._calibrate(float(peak))
+
+    def _calibrate(self, batch_max: float) -> None:
+        if batch_max <= 0.0:  # an all-zero batch says nothing about the range
+            return
+        old = float(self.running_max_abs)
+        if old > 0.0 and batch_max > self.max_jump * old:
+            raise ValueError(
+                f"input batch max |x| = {batch_max:.6g} is {batch_max / old:.3g} times the calibrated range "
+                f"{old:.6g} (max_jump = {self.max_jump:g}); refusing to calibrate on it, since later inputs would "
+                "round to 0: check the input for a blow-up, or raise this input quantizer's max_jump if the range "
+                "really grew"
+            )
+        new = batch_max if old == 0.0 else (1.0 - self.momentum) * old + self.momentum * batch_max
+        self.running_max_abs.fill_(new)
+
+    def extra_repr(self) -> str:
+        if self.fixed is not None:
+            return f"fmt={self.fixed}"
+        pow2 = ", power-of-two scale" if self.pow2 else ""
+        return f"bits={self.bits}, signed={self.signed}, calibrated (momentum={self.momentum}{pow2})"

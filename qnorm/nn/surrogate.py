@@ -1,0 +1,75 @@
+"""The output side of the QAT layers: exact forward, surrogate backward, float or IntQuantTensor out.
+
+:func:`exact_forward` returns ``ints * out_scale`` exactly, with the gradient of the
+layer's differentiable float surrogate at the dequantized input; :func:`to_output`
+wraps the result as an ``IntQuantTensor`` when a layer returns quant tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from qnorm.nn.quantizer import QuantizedInput, int_quant_tensor_type
+from qnorm.qformat import QFormat
+
+Output = torch.Tensor | Any  # Any: a brevitas IntQuantTensor (brevitas is optional)
+Surrogate = Callable[..., torch.Tensor]
+
+
+class _ExactSurrogate(torch.autograd.Function):
+    """Forward: ``ints * scale`` (exact).  Backward: VJP of ``surrogate`` at the dequantized input."""
+
+    @staticmethod
+    def forward(ctx: Any, ints: torch.Tensor, out_scale: float, surrogate: Surrogate, dequant: torch.Tensor,
+                pass_mask: torch.Tensor | None, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        ctx.surrogate = surrogate
+        ctx.has_mask = pass_mask is not None
+        ctx.save_for_backward(dequant, *((pass_mask,) if ctx.has_mask else ()), *params)
+        return ints.to(x.dtype) * out_scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        dequant, mask = saved[0], saved[1] if ctx.has_mask else None
+        params = saved[1 + ctx.has_mask:]
+        needs = ctx.needs_input_grad[5:]  # x, *params
+        with torch.enable_grad():
+            leaves = [dequant.detach().requires_grad_(needs[0])]
+            leaves += [p.detach().requires_grad_(n) for p, n in zip(params, needs[1:])]
+            y = ctx.surrogate(*leaves)
+            wanted = [t for t in leaves if t.requires_grad]
+            found = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True) if wanted else ())
+        grads = [next(found) if t.requires_grad else None for t in leaves]
+        if grads[0] is not None and mask is not None:
+            grads[0] = grads[0] * mask
+        return (None, None, None, None, None, *grads)
+
+
+def exact_forward(
+    ints: torch.Tensor, out_scale: float, surrogate: Surrogate, q: QuantizedInput, params: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``ints.to(dtype) * out_scale`` with the gradient of ``surrogate(dequant, *params)``.
+
+    ``surrogate`` must be differentiable in all its arguments and side-effect free (it
+    runs again in backward); it receives the detached dequantized input and detached
+    copies of ``params`` and should cast parameters to the input's dtype itself.
+    """
+    return _ExactSurrogate.apply(ints, float(out_scale), surrogate, q.dequant, q.pass_mask, q.value, *params)
+
+
+def to_output(y: torch.Tensor, fmt: QFormat, quant_tensor: bool, training: bool) -> Output:
+    """Float ``y``, or an IntQuantTensor of it (per-tensor scale, zero point 0)."""
+    if not quant_tensor:
+        return y
+    int_quant_tensor = int_quant_tensor_type()
+    return int_quant_tensor(
+        value=y,
+        scale=torch.tensor(fmt.scale, dtype=y.dtype, device=y.device),
+        zero_point=torch.zeros((), dtype=y.dtype, device=y.device),
+        bit_width=torch.tensor(float(fmt.bits), dtype=y.dtype, device=y.device),
+        signed=fmt.signed,
+        training=training,
+    )
