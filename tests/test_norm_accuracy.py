@@ -10,7 +10,7 @@ channels x100), for N from 1 to 65536.  The measurement is the demo's own
 
 import pytest
 
-from qnorm.demo import NORM_BUILDERS
+from qnorm.demo import norm_builders
 from qnorm.report import DISTRIBUTIONS, measure_norm
 
 EXACT = ("IntLayerNorm (L2)", "L1LayerNorm", "IntRMSNorm", "partial RMSNorm p=0.25")
@@ -23,7 +23,7 @@ REFUSED = {("IntLayerNorm (L2)", 65536, 16): "'n_sum_sq' spans [0, 4611686018427
 
 
 def check(name: str, dist: str, n: int, bits: int) -> None:
-    result = measure_norm(name, NORM_BUILDERS[name], dist, n, bits)
+    result = measure_norm(name, norm_builders()[name], dist, n, bits)
     if (name, n, bits) in REFUSED:
         assert result.stats is None and REFUSED[name, n, bits] in result.refused
         return
