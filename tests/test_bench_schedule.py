@@ -16,6 +16,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 
+from compilers.tvm.cpu import _VECTOR_BITS
 from compilers.tvm.kernels import kernel_for
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.qformat import QFormat
@@ -43,7 +44,10 @@ def test_layernorm_sums_share_one_loop_l1_sums_do_not():
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
 def test_per_element_stages_work_one_register_at_a_time(cls):
-    """8 int64 lanes: a 512-bit register of the widest per-element value."""
+    """A tile of _VECTOR_BITS of the widest per-element value (the int64 per-row
+    multiplier and offset the int32 chain reads: 1024 / 64 = 16 lanes, two AVX2
+    registers of int32)."""
+    lanes = _VECTOR_BITS // 64
     sch = scheduled(cls)
     stages = [
         b
@@ -52,9 +56,9 @@ def test_per_element_stages_work_one_register_at_a_time(cls):
     ]
     assert stages
     tile = sch.get(sch.get_loops(sch.get_sblock("out"))[-2])
-    assert int(tile.extent) == N // 8
+    assert int(tile.extent) == N // lanes
     for block in [*stages, sch.get_sblock("out")]:
         loops = sch.get_loops(block)
         assert sch.get(loops[-2]).same_as(tile)
-        assert int(sch.get(loops[-1]).extent) == 8
+        assert int(sch.get(loops[-1]).extent) == lanes
         assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
