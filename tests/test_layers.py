@@ -4,7 +4,7 @@ The layers, lowest first (a module may import from its own layer and the ones
 before it, never from one after it):
 
 1. **base** — ``qnorm.fixedpoint`` and the utilities everything may use:
-   ``qnorm.errors``, ``qnorm.extras``, ``qnorm.data``, ``qnorm.qformat``,
+   ``qnorm._lazy``, ``qnorm.errors``, ``qnorm.extras``, ``qnorm.data``, ``qnorm.qformat``,
    ``qnorm.analysis``, ``qnorm.targets`` (target descriptions: data),
    ``qnorm.metrics`` (error in LSB) and ``qnorm.cli_args`` (argparse types with no
    qnorm imports, shared by ``qnorm.cli`` and ``qnorm.train.cli``);
@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "base",
         (
-            "qnorm.fixedpoint", "qnorm.errors", "qnorm.extras", "qnorm.data", "qnorm.qformat", "qnorm.analysis",
+            "qnorm.fixedpoint", "qnorm._lazy", "qnorm.errors", "qnorm.extras", "qnorm.data", "qnorm.qformat", "qnorm.analysis",
             "qnorm.targets", "qnorm.metrics", "qnorm.cli_args",
         ),
     ),

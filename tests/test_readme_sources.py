@@ -4,15 +4,14 @@ command writes, with the header row the report's writer produces now."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
+from readme_script import load_readme_tables
 
 from qnorm.demo import (
     DEPLOY_MODELS,
@@ -42,16 +41,7 @@ README_LINES = README_TEXT.split("\n")
 TOP_LEVEL = ("out", "qnorm", "compilers", "scripts", "benchmarks", "tests")
 
 
-def _load_script():
-    path = REPO / "scripts" / "readme_tables.py"
-    spec = importlib.util.spec_from_file_location("readme_tables", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-rt = _load_script()
+rt = load_readme_tables()
 MARKERS = rt.parse_markers(README_TEXT)
 
 

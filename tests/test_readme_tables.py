@@ -3,25 +3,15 @@ table from its report, --check lists what differs, and bad markers or reports ar
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from readme_script import load_readme_tables
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load_script():
-    path = REPO / "scripts" / "readme_tables.py"
-    spec = importlib.util.spec_from_file_location("readme_tables", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-rt = _load_script()
+rt = load_readme_tables()
 
 ERRORS = """\
 ## Norms: integer op vs float op

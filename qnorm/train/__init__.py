@@ -11,8 +11,7 @@ runpy warn that the module was already imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from qnorm._lazy import lazy_exports
 
 _EXPORTS = {
     "load_checkpoint": "checkpoint", "read_metadata": "checkpoint_meta", "save_checkpoint": "checkpoint",
@@ -26,14 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,8 +13,7 @@ command line's checks of ``--case`` read the catalogue without loading torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from qnorm._lazy import lazy_exports
 
 _EXPORTS = {
     "CASES": "cases", "Case": "cases", "select_cases": "cases",
@@ -28,14 +27,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
