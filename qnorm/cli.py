@@ -138,6 +138,7 @@ def _compile(args: argparse.Namespace) -> int:
 
     target = compile_target_name(args.target)
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
+    _import_models(args.imports)
     if target == HLS_TARGET:
         return _compile_hls(args)
     from qnorm.train.compiled import compile_checkpoint
@@ -172,11 +173,33 @@ def _compile_hls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_models(modules: list[str]) -> None:
+    """Import the modules ``--import`` names: they register models of the user's own
+    (``qnorm.train.models.register_model``).  The user names them on the command
+    line; a checkpoint never does (it is data, not code)."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise UsageError(f"--import {name}: {err} (is its directory on PYTHONPATH?)") from None
+
+
+def _add_import_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--import", dest="imports", metavar="MODULE", action="append", default=[],
+        help="import MODULE first: it registers a model class of your own (qnorm.train.models.register_model); "
+             "repeatable",
+    )  # fmt: skip
+
+
 def _export(args: argparse.Namespace) -> int:
     """``qnorm export CHECKPOINT --format qonnx -o FILE``: the logic is in qnorm.export.qonnx."""
     from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
 
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
+    _import_models(args.imports)
     from qnorm.export.qonnx import describe, export_checkpoint  # a missing qonnx: main names the extra
 
     proto, meta = export_checkpoint(args.checkpoint, args.out, args.batch)
@@ -248,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--out", metavar="DIR", type=output_dir, required=True,
         help="output directory for model.so and model.json (created; must not be a file)",
     )  # fmt: skip
+    _add_import_argument(compile_)
     compile_.set_defaults(func=_compile)
 
     export = sub.add_parser(
@@ -259,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=["qonnx"], default="qonnx", help="output format (default: qonnx)")
     export.add_argument("-o", "--out", metavar="FILE", required=True, help="the .onnx file to write")
     export.add_argument("--batch", type=positive_int, default=1, help="the graph's static batch size (default 1)")
+    _add_import_argument(export)
     export.set_defaults(func=_export)
 
     golden = sub.add_parser("golden", help="check qnorm/data/golden against the golden model, or --regenerate it")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
 
 import brevitas.nn as qnn
@@ -201,8 +201,9 @@ def _pow2_act(act_range: float) -> Any:
     return Int8ActPerTensorPow2MinMaxInit.let(min_val=-act_range, max_val=act_range)
 
 
-def _pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.QuantLinear:
-    """An int8 x int8 linear on power-of-two grids with a bias on the accumulator's grid.
+def pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.QuantLinear:
+    """An int8 x int8 linear on power-of-two grids with a bias on the accumulator's grid:
+    the Brevitas layer ``qnorm compile`` proves exact (also for models of your own).
 
     The layer quantizes its own input: Int32Bias needs the input scale, which a
     plain float input would not carry.
@@ -316,11 +317,11 @@ class _MixerBlock(nn.Module):
     def __init__(self, cfg: MixerConfig) -> None:
         super().__init__()
         self.norm1 = norm_factory(cfg.norm, cfg.dim, pow2=True)
-        self.token_fc1 = _pow2_linear(cfg.tokens, cfg.token_hidden, cfg.act_range)
-        self.token_fc2 = _pow2_linear(cfg.token_hidden, cfg.tokens, cfg.act_range)
+        self.token_fc1 = pow2_linear(cfg.tokens, cfg.token_hidden, cfg.act_range)
+        self.token_fc2 = pow2_linear(cfg.token_hidden, cfg.tokens, cfg.act_range)
         self.norm2 = norm_factory(cfg.norm, cfg.dim, pow2=True)
-        self.fc1 = _pow2_linear(cfg.dim, cfg.channel_hidden, cfg.act_range)
-        self.fc2 = _pow2_linear(cfg.channel_hidden, cfg.dim, cfg.act_range)
+        self.fc1 = pow2_linear(cfg.dim, cfg.channel_hidden, cfg.act_range)
+        self.fc2 = pow2_linear(cfg.channel_hidden, cfg.dim, cfg.act_range)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         mixed = self.token_fc2(F.relu(self.token_fc1(self.norm1(h).transpose(1, 2))))
@@ -344,10 +345,10 @@ class DigitsMixer(nn.Module):
     def __init__(self, config: MixerConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = _pow2_linear(config.token_features, config.dim, config.act_range)
+        self.embed = pow2_linear(config.token_features, config.dim, config.act_range)
         self.blocks = nn.ModuleList(_MixerBlock(config) for _ in range(config.depth))
         self.norm = norm_factory(config.norm, config.dim, pow2=True)
-        self.head = _pow2_linear(config.dim, config.classes, config.act_range)
+        self.head = pow2_linear(config.dim, config.classes, config.act_range)
 
     def example_input(self, batch: int = 2) -> torch.Tensor:
         """Zeros shaped like a batch of its input (row tokens)."""
@@ -413,7 +414,7 @@ class DigitsSNN(nn.Module):
         features = in_channels * (config.image_side // 2) ** 2
         # Spike rates lie in [0, 1]: the readout's input quantizer covers exactly that.
         self.readout = (
-            _pow2_linear(features, config.classes, 1.0) if pow2 else _linear(features, config.classes)
+            pow2_linear(features, config.classes, 1.0) if pow2 else _linear(features, config.classes)
         )
 
     def example_input(self, batch: int = 2) -> torch.Tensor:
@@ -438,10 +439,38 @@ _MODELS: dict[str, tuple[type[nn.Module], type]] = {
 }
 
 
+def register_model(model_cls: type[nn.Module], config_cls: type, *, replace: bool = False) -> None:
+    """Make models of ``model_cls`` savable, loadable and compilable like the zoo's.
+
+    The protocol the zoo follows: ``model_cls.kind`` names the family (the checkpoint's
+    spec records it), ``model_cls(config)`` builds a model from an instance of the
+    dataclass ``config_cls``, the model keeps it as ``model.config``, and
+    ``model.example_input(batch)`` returns a batch shaped like its input.  Register in
+    the module that defines the class; ``qnorm compile/export CKPT --import MODULE``
+    imports it before reading the checkpoint (a checkpoint is data: it never names
+    code to run).
+    """
+    kind = getattr(model_cls, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{model_cls.__name__} needs a class attribute `kind` (the family's name)")
+    if not is_dataclass(config_cls):
+        raise ValueError(f"{config_cls.__name__} must be a dataclass (its fields are the checkpoint's spec)")
+    if not callable(getattr(model_cls, "example_input", None)):
+        raise ValueError(f"{model_cls.__name__} needs an example_input(batch) method (compile traces with it)")
+    if kind in _MODELS and not replace and _MODELS[kind] != (model_cls, config_cls):
+        raise ValueError(f"model kind {kind!r} is already registered ({_MODELS[kind][0].__name__})")
+    _MODELS[kind] = (model_cls, config_cls)
+
+
 def build_model(kind: str, **config: Any) -> nn.Module:
-    """Build "transformer", "mixer" or "snn" from config fields (see the *Config dataclasses)."""
+    """Build a registered model ("transformer", "mixer", "snn" or one of ``register_model``)
+    from config fields (see the *Config dataclasses)."""
     if kind not in _MODELS:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(_MODELS)}")
+        raise ValueError(
+            f"unknown model kind {kind!r}; expected one of {sorted(_MODELS)} (a model of your own: "
+            "register it with qnorm.train.models.register_model in a module, and name that module "
+            "with --import MODULE)"
+        )
     model_cls, config_cls = _MODELS[kind]
     names = {f.name for f in fields(config_cls)}
     unknown = sorted(set(config) - names)
@@ -458,7 +487,10 @@ def model_spec(model: nn.Module) -> dict[str, Any]:
     """JSON-ready {"kind", "config"} from which `build_model` rebuilds `model`."""
     spec = _zoo_spec(model)
     if spec is None:
-        raise TypeError(f"{type(model).__name__} is not a qnorm.train model")
+        raise TypeError(
+            f"{type(model).__name__} is not a registered model: register its class with "
+            "qnorm.train.models.register_model to save it"
+        )
     return spec
 
 
