@@ -95,7 +95,7 @@ def test_verify_list_names_every_case_and_column_without_running() -> None:
 
 
 @pytest.fixture
-def test_columns() -> Iterator[None]:
+def extra_columns() -> Iterator[None]:
     """A column that only builds here and one whose tools are missing."""
 
     def not_run(op: object) -> Runner:
@@ -108,7 +108,7 @@ def test_columns() -> Iterator[None]:
     backends.unregister("toolless")
 
 
-def test_verify_list_json_says_why_a_column_does_not_run(test_columns, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_list_json_says_why_a_column_does_not_run(extra_columns, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--list", "--json", "--target", "elsewhere", "toolless", "--case", "int_rms*"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert [c["case"] for c in listing["cases"]] == [c.name for c in CASES if c.name.startswith("int_rms")]
@@ -122,7 +122,7 @@ def test_verify_list_json_says_why_a_column_does_not_run(test_columns, capsys: p
     assert columns["toolless"]["state"] == "cannot run" and columns["toolless"]["reason"] == "tool X is missing"
 
 
-def test_strict_fails_on_compiled_and_skip_cells(test_columns, capsys: pytest.CaptureFixture[str]) -> None:
+def test_strict_fails_on_compiled_and_skip_cells(extra_columns, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["verify", "--target", "elsewhere", "toolless", "--case", CASE, "--elements", "500"]
     assert main(argv) == 0  # compiled and skip are neither a pass nor a failure ...
     capsys.readouterr()

@@ -331,12 +331,15 @@ def test_ln_to_rms_deviation_is_float_rounding():
     x = torch.randn(256, 32, generator=torch.Generator().manual_seed(2)) * 3
     with torch.no_grad():
         h = model[0](x)
-        report(
-            "crms: mean of centred producer output / its rms",
-            {"max": float((h.double().mean(-1).abs() / h.double().pow(2).mean(-1).sqrt()).max())},
-        )
-        report("crms: CRMSNorm vs LayerNorm output (float32)", ulp_stats(ln_to_rms(model)(x), model(x)))
-        report("crms: LayerNorm after centred vs raw producer (float32)", ulp_stats(model(x), model[1](raw(x))))
+        mean = {"max": float((h.double().mean(-1).abs() / h.double().pow(2).mean(-1).sqrt()).max())}
+        crms = ulp_stats(ln_to_rms(model)(x), model(x))
+        centring = ulp_stats(model(x), model[1](raw(x)))
+    report("crms: mean of centred producer output / its rms", mean)
+    report("crms: CRMSNorm vs LayerNorm output (float32)", crms)
+    report("crms: LayerNorm after centred vs raw producer (float32)", centring)
+    # float rounding only (measured 5e-8 relative mean, 1 and 2 ulp at full scale)
+    assert mean["max"] < 1e-6
+    assert crms["max_ulp_full_scale"] <= 2 and centring["max_ulp_full_scale"] <= 4
 
 
 class ResidualLN(nn.Module):

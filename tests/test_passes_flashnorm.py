@@ -77,9 +77,10 @@ def test_flashnorm_float_deviation():
     with torch.no_grad():
         got, want = flashnorm(model)(x), model(x)
     err = (got.double() - want.double()).abs().numpy()
+    full_scale = float((err / np.spacing(want.abs().max().numpy())).max())
     report("flashnorm float32 output vs RMSNorm(gamma)->Linear",
-           {"max_ulp_full_scale": float((err / np.spacing(want.abs().max().numpy())).max()),
-            "max_ulp": float((err / np.spacing(want.abs().numpy())).max())})  # fmt: skip
+           {"max_ulp_full_scale": full_scale, "max_ulp": float((err / np.spacing(want.abs().numpy())).max())})  # fmt: skip
+    assert full_scale <= 4  # float rounding of the reordered products (measured 2.5 ulp)
 
 
 class NormFeedsAdd(nn.Module):

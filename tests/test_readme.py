@@ -15,4 +15,5 @@ def test_readme_has_examples():
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_example_runs(code):
+    assert "assert " in code, "a README example checks its own result"
     exec(compile(code, str(README), "exec"), {})
