@@ -2,10 +2,10 @@
 
 :func:`~compilers.tvm.primitives.staged_compute` cuts every shared node of an
 expression DAG into a stage over the output's full index space.  In a norm's
-per-element stage some shared nodes depend on the row only — ``shift_numerator``
-derives its shift amounts ``e − H`` and ``max(e − H, 0)`` from the row's
-exponent and uses each several times — and a (rows, N) stage would recompute
-them for every element and store them as whole vectors.  :func:`row_staged_compute`
+per-element stage some shared nodes depend on the row only — z's rounding shift
+K and its half ``2^(K−1)`` come from the row's exponent and are used by every
+element — and a (rows, N) stage would recompute them for every element and store
+them as whole vectors.  :func:`row_staged_compute`
 gives such nodes a (rows,) stage instead, computed once per row; nodes that
 depend on the column keep (rows, N) stages as before.  The arithmetic is
 untouched: only where values are stored changes.
