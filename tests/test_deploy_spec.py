@@ -19,7 +19,7 @@ def test_zoo_models_are_described_and_other_models_are_not() -> None:
     model = build_model("mixer", dim=16, depth=1, token_hidden=8, channel_hidden=16)
     assert deploy_spec.model_spec(model) == zoo_spec(model) == {"kind": "mixer", "config": zoo_spec(model)["config"]}
     assert deploy_spec.model_spec(nn.Sequential(model)) is None
-    with pytest.raises(TypeError, match="Sequential is not a qnorm.train model"):
+    with pytest.raises(TypeError, match="Sequential is not a registered model: register its class with qnorm.train.models.register_model"):
         zoo_spec(nn.Sequential(model))
 
 
