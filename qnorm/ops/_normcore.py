@@ -749,9 +749,8 @@ class NormOp(IntOp):
             raise ValueError(f"{cls.__name__} has no option(s) {unknown}; its options: {sorted(cls.op_defaults)}")
         wide = out_fmt.bits > 8
         defaults = {**cls.op_defaults, **(cls.wide_defaults if wide else {})}
-        if mant_bits is None:
-            mant_bits = defaults.pop("mant_bits", None)
-        defaults.pop("mant_bits", None)
+        default_mant = defaults.pop("mant_bits", None)  # a width of _build's own, not an op option
+        mant_bits = default_mant if mant_bits is None else mant_bits
         if mult_bits is None:
             mult_bits = WIDE_MULT_BITS if wide else MULT_BITS
         return cls._build(

@@ -88,10 +88,15 @@ class ChannelConst:
         return self.values.astype(self.dtype)
 
 
-def load64(t: te.Tensor, *idx: Any) -> Any:
-    """An element of ``t`` as int64 (every fixedpoint body computes in int64)."""
+def load_as(t: te.Tensor, dtype: str, *idx: Any) -> Any:
+    """An element of ``t`` in ``dtype`` (a buffer holds its values exactly: widening is exact)."""
     v = tvm.runtime.convert(t[idx])
-    return v if str(t.dtype) == "int64" else v.astype("int64")
+    return v if str(t.dtype) == dtype else v.astype(dtype)
+
+
+def load64(t: te.Tensor, *idx: Any) -> Any:
+    """An element of ``t`` as int64 (the per-row fixedpoint bodies compute in int64)."""
+    return load_as(t, "int64", *idx)
 
 
 @dataclass(frozen=True, eq=False)

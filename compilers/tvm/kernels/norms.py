@@ -36,10 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import tvm
 from tvm import te
 
-from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, load64
+from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, load64, load_as
 from compilers.tvm.kernels._rows import ProvenTrace, Rows
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
@@ -71,12 +70,6 @@ _SCALES: dict[Any, tuple[Callable[..., Any], Callable[[NormOp], dict[str, Any]]]
         lambda op: {"log2": op._log2, "neg": op._neg, "keep": op._keep},
     ),
 }
-
-
-def load_as(t: te.Tensor, dtype: str, *idx: Any) -> Any:
-    """An element of ``t`` in ``dtype`` (the buffer holds it exactly: narrowest dtype)."""
-    v = tvm.runtime.convert(t[idx])
-    return v if str(t.dtype) == dtype else v.astype(dtype)
 
 
 def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
