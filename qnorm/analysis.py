@@ -241,6 +241,16 @@ def _membrane_leak(op: Any, rep: RangeReport) -> Product | None:
     return _product(rep, "membrane·leak", state, Interval.point(op.cfg.leak.m), "leak_product")
 
 
+def _segment_product(op: Any, rep: RangeReport, name: str) -> Product | None:
+    """An activation's segment quadratic (:mod:`qnorm.ops.activation`); None for a table."""
+    if op.segments is None:
+        return None
+    half, width = 1 << (op.segments.bits - 1), 1 << op.segments.bits
+    if name == "curve":
+        return _product(rep, "C·(t−h)", rep["segment_const_c"], Interval(-half, half - 1), "curve")
+    return _product(rep, "t·slope", Interval(0, width - 1), rep["slope"])
+
+
 # How each multiplication an op body can make is formed, by the name an op class
 # lists in its ``multiplications`` (the op declares which it makes, next to its
 # body; the analysis bounds them from the range report).  None: not made by this
@@ -259,6 +269,8 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "scaled": lambda op, rep: _product(rep, "zc·gain", rep["zc"], _interval_of(op.config.gain), "scaled"),
     "x_slope": lambda op, rep: _product(rep, "x·slope", _in_interval(op), _interval_of(op._slope), "bn_product"),
     "membrane_leak": _membrane_leak,
+    "segment_curve": lambda op, rep: _segment_product(op, rep, "curve"),
+    "segment_slope": lambda op, rep: _segment_product(op, rep, "slope"),
     "membrane_slope": lambda op, rep: _product(
         rep, "membrane·slope", rep["membrane"], _interval_of(op._slope), "bn_product"
     ),
