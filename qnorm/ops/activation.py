@@ -69,7 +69,6 @@ MAX_TABLE_BITS = 12  # up to 4096 codes: one exactly rounded output per code
 MAX_IN_BITS = 16  # the segment construction measures every code: 2^16 at most
 FRAC_BITS = 12  # fraction bits of the segment samples (their rounding: 2^-13 LSB)
 MAX_SEGMENT_BITS = 10
-MIN_SEGMENT_BITS = 2  # h = 2^(k-1) >= 2: a segment of two codes would be a table
 SEGMENT_TOLERANCE = 1 / 16  # LSB: the most a segment quadratic may deviate from f / s_out
 
 Load = Callable[[str, Any], Any]  # (table name, index) -> int64 value, on any backend
@@ -183,16 +182,17 @@ def _numerator(seg: Segments, u: np.ndarray) -> np.ndarray:
 
 
 def choose_segments(exact: np.ndarray, beyond: float) -> Segments:
-    """The largest segments (fewest constants) within ``SEGMENT_TOLERANCE`` of f / s_out."""
+    """The largest segments (fewest constants) within ``SEGMENT_TOLERANCE`` of f / s_out.
+
+    Two-code segments always qualify: their quadratic passes through a sample at
+    every code, so only the samples' rounding (2^-(FRAC_BITS+1) LSB) remains.
+    """
     top = min(MAX_SEGMENT_BITS, int(exact.size).bit_length() - 1)
-    for bits in range(top, MIN_SEGMENT_BITS - 1, -1):
+    for bits in range(top, 1, -1):
         seg = _segments_of(bits, exact, beyond)
         if seg.error <= SEGMENT_TOLERANCE:
             return seg
-    raise ValueError(
-        f"no segment size keeps the activation within {SEGMENT_TOLERANCE} LSB; "
-        "the output scale is too fine for the input's"
-    )
+    return _segments_of(1, exact, beyond)
 
 
 # --------------------------------------------------------------------------- the ops
