@@ -4,8 +4,8 @@ The :mod:`qnorm.nn` layer of the op's family, built from the op's float
 parameters and options in eval mode: for a norm or a neuron, the layer of the
 registered kind that runs the op (:func:`qnorm.nn.kinds.for_golden`: IntLayerNorm,
 L1LayerNorm, ShiftLayerNorm, IntRMSNorm, MPBNLIF and its fold FoldedMPBNLIF), and
-BNQuantAct and its fold MultiThresholdAct for BN + quantized activation.  Its
-``golden()`` must equal the op's integer config and constants (else FAIL: the
+BNQuantAct and its fold MultiThresholdAct for BN + quantized activation, and
+IntGELU / IntSiLU (:mod:`qnorm.nn.activation`) for the activations.  Its ``golden()`` must equal the op's integer config and constants (else FAIL: the
 layer's derivation drifted), and its float32 forward on the dequantized input
 must be exactly an integer times the output scale; those integers are compared.  Where the layer cannot hold the op (a β on
 RMSNorm, per-neuron parameters, ...) the op's own ``_forward`` runs on torch
