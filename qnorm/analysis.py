@@ -241,6 +241,21 @@ def _membrane_leak(op: Any, rep: RangeReport) -> Product | None:
     return _product(rep, "membrane·leak", state, Interval.point(op.cfg.leak.m), "leak_product")
 
 
+def _segment_curve(op: Any, rep: RangeReport) -> Product | None:
+    """C·(t − h) of an activation's segment quadratic (:mod:`qnorm.ops.activation`); None for a table."""
+    if op.segments is None:
+        return None
+    half = 1 << (op.segments.bits - 1)
+    return _product(rep, "C·(t−h)", rep["segment_const_c"], Interval(-half, half - 1), "curve")
+
+
+def _segment_slope(op: Any, rep: RangeReport) -> Product | None:
+    """t·(B + C·(t − h)) of the same quadratic; None for a table."""
+    if op.segments is None:
+        return None
+    return _product(rep, "t·slope", Interval(0, (1 << op.segments.bits) - 1), rep["slope"])
+
+
 # How each multiplication an op body can make is formed, by the name an op class
 # lists in its ``multiplications`` (the op declares which it makes, next to its
 # body; the analysis bounds them from the range report).  None: not made by this
@@ -259,6 +274,8 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "scaled": lambda op, rep: _product(rep, "zc·gain", rep["zc"], _interval_of(op.config.gain), "scaled"),
     "x_slope": lambda op, rep: _product(rep, "x·slope", _in_interval(op), _interval_of(op._slope), "bn_product"),
     "membrane_leak": _membrane_leak,
+    "segment_curve": _segment_curve,
+    "segment_slope": _segment_slope,
     "membrane_slope": lambda op, rep: _product(
         rep, "membrane·slope", rep["membrane"], _interval_of(op._slope), "bn_product"
     ),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from qnorm.activation_report import ActivationRow, activation_markdown, measure_activations
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
 from qnorm.ops import IntRMSNorm
@@ -125,12 +126,20 @@ def multithreshold_markdown(rows: list[MultiThresholdRow]) -> str:
     return "\n".join(out)
 
 
-def error_table_markdown(norms: list[CaseResult], spiking: list[SpikingRow], mt: list[MultiThresholdRow]) -> str:
+def error_table_markdown(
+    norms: list[CaseResult],
+    spiking: list[SpikingRow],
+    mt: list[MultiThresholdRow],
+    *,
+    activations: list[ActivationRow],
+) -> str:
     """The text of ``error_table.md``: one section per kind of op."""
     return "\n\n".join([
         "## Norms: integer op vs float op (same dequantized input), error in output LSB\n\n" + markdown_table(norms),
         "## Membrane-potential BN in spiking neurons\n\n" + spiking_markdown(spiking),
         "## BN + quantized activation folded into multi-thresholds\n\n" + multithreshold_markdown(mt),
+        "## GELU and SiLU: integer op vs float op on every input code, error in output LSB\n\n"
+        + activation_markdown(activations),
     ])
 
 
@@ -141,7 +150,7 @@ def run_demo(out: Path, seed: int = 0) -> str:
     norms = measure_all(norm_builders(), seed)
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
-    text = error_table_markdown(norms, spiking, mt)
+    text = error_table_markdown(norms, spiking, mt, activations=measure_activations())
     (out / ERROR_TABLE).write_text(text + "\n")
     save_histogram(norms, out / ERROR_HIST)
     print(text)

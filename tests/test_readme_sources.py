@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from readme_script import load_readme_tables
 
+from qnorm.activation_report import ActivationRow
 from qnorm.demo import (
     DEPLOY_MODELS,
     DeployRow,
@@ -127,7 +128,8 @@ def fake_error_table() -> str:
     norms = [CaseResult("IntLayerNorm (L2)", "gaussian", n, bits, stats, np.zeros(1))
              for bits in BIT_WIDTHS for n in ROW_LENGTHS]
     return error_table_markdown(norms, [SpikingRow("hard reset", 1.0, 0)],
-                                [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)])
+                                [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)],
+                                activations=[ActivationRow("int_gelu", "int8", "table", 256, 0, 0.5, 0.1, 1.0)])
 
 
 def fake_accuracy() -> str:

@@ -9,6 +9,7 @@ Shared machinery (the recipe every layer follows, and the modules of its steps):
 The norm and neuron kinds models and conversions choose layers by: :mod:`qnorm.nn.kinds`.
 """
 
+from qnorm.nn.activation import IntGELU, IntSiLU
 from qnorm.nn.base import IntInference, IntModule, QATModule
 from qnorm.nn.batchnorm import BNQATModule
 from qnorm.nn.bnact import BNQuantAct, MultiThresholdAct
@@ -23,11 +24,13 @@ __all__ = [
     "BNQuantAct",
     "FoldedMPBNLIF",
     "InputQuantizer",
+    "IntGELU",
     "IntInference",
     "IntLayerNorm",
     "IntModule",
     "IntNorm",
     "IntRMSNorm",
+    "IntSiLU",
     "L1LayerNorm",
     "MultiThresholdAct",
     "QATModule",

@@ -32,6 +32,12 @@ def take_prefix(x: Any, k: int) -> Any:
     return x[..., :k]
 
 
+def take(values: Any, index: Any) -> Any:
+    """``values[index]`` element-wise: a gather from a 1-D constant (a table) by an int64
+    index array of any shape (numpy and torch index the same way)."""
+    return values[index]
+
+
 def const_like(x: Any, values: np.ndarray) -> Any:
     """An int64 constant (e.g. per-channel multipliers) on the operand's backend/device."""
     values = np.asarray(values, dtype=np.int64)

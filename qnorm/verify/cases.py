@@ -14,7 +14,8 @@ parameters let a layer's ``golden()`` be the very op of the case.
 Coverage: every op family; int4, int8 and int16 inputs; N = 1, small
 non-powers of two, 64 and 768; partial RMSNorm; 1- and 2-term shift norms;
 non-default tie rules; γ < 0 and γ = 0 channels; hard/soft reset, leak, ``>=``
-and ``>`` for the spiking neurons.
+and ``>`` for the spiking neurons; int8 (table) and int16 (segments) GELU and
+SiLU with power-of-two and dyadic scales.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from qnorm.errors import UsageError
 from qnorm.fixedpoint import Dyadic
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.ops.activation import IntGELU, IntSiLU
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron
@@ -186,6 +188,15 @@ def _build_lif(cls: Any) -> Callable[[Mapping[str, Any], np.random.Generator], I
     return build
 
 
+def _build_activation(cls: Any) -> Callable[[Mapping[str, Any], np.random.Generator], IntOp]:
+    """An activation has no parameters: its formats and rounding are the whole op."""
+
+    def build(cfg: Mapping[str, Any], rng: np.random.Generator) -> IntOp:
+        return cls.of(fmt_from(cfg["in"]), fmt_from(cfg["out"]), cfg["rounding"])
+
+    return build
+
+
 @dataclass(frozen=True)
 class Family:
     layout: str
@@ -202,6 +213,8 @@ _FAMILIES: dict[str, Family] = {
     MultiThreshold.name: Family(CHANNELS, _build_bn(MultiThreshold), MultiThreshold),
     MPBNNeuron.name: Family(TIME, _build_lif(MPBNNeuron), MPBNNeuron),
     FoldedLIFNeuron.name: Family(TIME, _build_lif(FoldedLIFNeuron), FoldedLIFNeuron),
+    IntGELU.name: Family(CHANNELS, _build_activation(IntGELU), IntGELU),
+    IntSiLU.name: Family(CHANNELS, _build_activation(IntSiLU), IntSiLU),
 }
 
 
@@ -246,6 +259,25 @@ def _lif(op: str, in_name: str, channels: int, reset: str, comparator: str, leak
     return Case(name, op, cfg)
 
 
+# Activation formats: power-of-two scales (shift-only requantization around them) and
+# dyadic ones (any float scale; 0.05 and 3/128 are not powers of two).
+ACT_FORMATS = {
+    "s8": fmt(8, 2.0**-4),  # int8 over [-8, 8)
+    "s16": fmt(16, 2.0**-11),  # int16 over [-16, 16)
+    "d8": INT8,
+    "d8out": fmt(8, 3 / 128),
+    "d16": INT16,
+    "d16out": fmt(16, 0.0007),
+}
+ACTIVATION_ROW = 16  # elements per vector: the activation kernels' row (compilers.tvm.kernels.activation)
+
+
+def _activation(op: str, in_name: str, out_name: str, rounding: str = "half_up") -> Case:
+    name = ".".join([op, in_name, out_name, *([rounding] if rounding != "half_up" else [])])
+    cfg = {"in": ACT_FORMATS[in_name], "out": ACT_FORMATS[out_name], "channels": ACTIVATION_ROW, "rounding": rounding}
+    return Case(name, op, cfg)
+
+
 def _catalogue() -> tuple[Case, ...]:
     ln, l1, sh, rms = IntLayerNorm.name, L1LayerNorm.name, ShiftLayerNorm.name, IntRMSNorm.name
     cases = [
@@ -283,6 +315,12 @@ def _catalogue() -> tuple[Case, ...]:
             _lif(op, "int8", 16, "soft", ">", None),
             _lif(op, "int4", 8, "soft", ">=", 0.5),
         ]
+    for op in (IntGELU.name, IntSiLU.name):
+        cases += [_activation(op, "s8", "s8"), _activation(op, "s16", "s16")]
+    cases += [
+        _activation(IntGELU.name, "d8", "d8out", "half_even"),
+        _activation(IntSiLU.name, "d16", "d16out", "floor"),
+    ]
     names = [c.name for c in cases]
     if len(set(names)) != len(names):
         raise RuntimeError(f"duplicate case names in the catalogue: {sorted(n for n in names if names.count(n) > 1)}")

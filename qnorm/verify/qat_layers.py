@@ -4,8 +4,8 @@ The :mod:`qnorm.nn` layer of the op's family, built from the op's float
 parameters and options in eval mode: for a norm or a neuron, the layer of the
 registered kind that runs the op (:func:`qnorm.nn.kinds.for_golden`: IntLayerNorm,
 L1LayerNorm, ShiftLayerNorm, IntRMSNorm, MPBNLIF and its fold FoldedMPBNLIF), and
-BNQuantAct and its fold MultiThresholdAct for BN + quantized activation.  Its
-``golden()`` must equal the op's integer config and constants (else FAIL: the
+BNQuantAct and its fold MultiThresholdAct for BN + quantized activation, and
+IntGELU / IntSiLU (:mod:`qnorm.nn.activation`) for the activations.  Its ``golden()`` must equal the op's integer config and constants (else FAIL: the
 layer's derivation drifted), and its float32 forward on the dequantized input
 must be exactly an integer times the output scale; those integers are compared.  Where the layer cannot hold the op (a β on
 RMSNorm, per-neuron parameters, ...) the op's own ``_forward`` runs on torch
@@ -28,6 +28,7 @@ from qnorm import nn as qnn
 from qnorm.nn.kinds import NEURON, Kind, for_golden
 from qnorm.ops import IntRMSNorm, ShiftLayerNorm
 from qnorm.ops._normcore import NormOp
+from qnorm.ops.activation import IntActivation, IntGELU, IntSiLU
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, MPBNNeuron
@@ -53,6 +54,8 @@ def _integer_fields(op: IntOp) -> dict[str, Any]:
     """What defines an op's integer behaviour: the config and integer constants golden() must match."""
     if isinstance(op, NormOp):
         return {"config": op.config}
+    if isinstance(op, IntActivation):
+        return {"cfg": op.cfg, **op.tables}
     if isinstance(op, (BNQuant, MultiThreshold)):
         bn, fields = op.bn, {"cfg": op.cfg}
     else:
@@ -148,8 +151,19 @@ _BN_LAYERS: dict[type, tuple[str, Callable[[Any], torch.nn.Module]]] = {
 _UNFOLDED: dict[type, type] = {FoldedLIFNeuron: MPBNNeuron}
 
 
+_ACTIVATION_LAYERS: dict[type, type[torch.nn.Module]] = {IntGELU: qnn.IntGELU, IntSiLU: qnn.IntSiLU}
+
+
+def _activation_layer(op: IntActivation) -> torch.nn.Module:
+    """The activation layer of the op's class with its formats and rounding (eval mode)."""
+    layer = _ACTIVATION_LAYERS[type(op)]
+    return layer(in_fmt=op.in_fmt, out_fmt=op.out_fmt, rounding=op.cfg.rounding, algorithm=op.cfg.algorithm).eval()
+
+
 def _layer_for(op: IntOp) -> tuple[str, Callable[[Any], torch.nn.Module]] | None:
     """(layer description, module factory) of the op's family; None where no qnorm.nn layer runs it."""
+    if type(op) in _ACTIVATION_LAYERS:
+        return f"qnorm.nn.activation.{_ACTIVATION_LAYERS[type(op)].__name__}", _activation_layer
     if type(op) in _BN_LAYERS:
         return _BN_LAYERS[type(op)]
     unfolded = _UNFOLDED.get(type(op), type(op))

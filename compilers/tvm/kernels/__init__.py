@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from compilers.tvm.kernels._base import CompiledKernel, Kernel
+from compilers.tvm.kernels.activation import activation_kernel
 from compilers.tvm.kernels.bnfold import (
     bnquant_kernel,
     lif_kernel,
@@ -23,6 +24,7 @@ from compilers.tvm.kernels.bnfold import (
 from compilers.tvm.kernels.norms import norm_kernel
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.ops._normcore import NormOp
+from qnorm.ops.activation import IntActivation
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import _LIFNeuron
 
@@ -31,6 +33,7 @@ _BUILDERS: tuple[tuple[type, Any], ...] = (
     (MultiThreshold, multithreshold_kernel),
     (BNQuant, bnquant_kernel),
     (_LIFNeuron, lif_kernel),
+    (IntActivation, activation_kernel),
 )
 
 
