@@ -208,7 +208,7 @@ def mask_padding(x: Any, in_fmt: QFormat, lengths: Any = None, key_mask: Any = N
 class IntSoftmax(IntOp):
     """Integer softmax over the last axis (see the module docstring)."""
 
-    name = "int_softmax"
+    name = "softmax"
     multiplications = ("exp_product", "prob_product")
     definition = 1
 
