@@ -232,3 +232,80 @@ def test_error_against_float64_softmax_is_at_most_0_53_lsb(n, in_fmt, out_fmt, o
     stats = measure_error(op, _logits(np.random.default_rng(n), in_fmt, 1500, n))
     assert stats.max_lsb <= 0.53
     assert stats.within_1lsb == 1.0
+
+
+# --------------------------------------------------------------------------- QAT layer
+
+
+def test_qat_forward_is_golden_ints_times_scale_bit_for_bit():
+    from qnorm.nn import IntSoftmax as QATSoftmax
+
+    layer = QATSoftmax(24, causal=True, query_len=6, pow2=True).train()
+    x = torch.randn(4, 6, 24, dtype=torch.float32) * 3
+    layer(x)  # calibrates the power-of-two input scale
+    layer.eval()
+    y = layer(x)
+    op = layer.golden()
+    ints = op.in_fmt.quantize(x.to(torch.float64))
+    want = torch.from_numpy(op.forward(ints.numpy())).to(torch.float32) * op.out_fmt.scale
+    assert op.in_fmt.is_power_of_two
+    assert torch.equal(y, want)
+
+
+def test_qat_padding_by_lengths_and_key_mask_equals_the_golden_op_on_the_masked_codes():
+    from qnorm.nn import IntSoftmax as QATSoftmax
+
+    fmt = QFormat(8, 0.05)
+    layer = QATSoftmax(10, in_fmt=fmt, padding=True).eval()
+    x = torch.randn(3, 10) * 2
+    x[0, 0] = -100.0  # saturates to the lowest code: raised to lo + 1, not padding, when masks are given
+    lengths = torch.tensor([10, 4, 0])
+    ints = mask_padding(fmt.quantize(x.to(torch.float64)), fmt, lengths)
+    want = torch.from_numpy(layer.golden().forward(ints.numpy())).float() * UINT8_P.scale
+    assert torch.equal(layer(x, lengths=lengths), want)
+    assert (want[1, 4:] == 0).all() and (want[2] == 0).all() and want[0, 0] == 0.0 and (ints[0, 0] == fmt.lo + 1)
+    key = torch.arange(10) < 4
+    assert torch.equal(layer(x[1:2], key_mask=key), want[1:2])
+    with pytest.raises(ValueError, match="padding=True"):
+        QATSoftmax(10, in_fmt=fmt)(x, lengths=lengths)
+
+
+def test_qat_gradient_is_the_float_softmax_gradient_over_kept_columns():
+    from qnorm.nn import IntSoftmax as QATSoftmax
+
+    fmt = QFormat(8, 2.0**-4)
+    layer = QATSoftmax(8, in_fmt=fmt, causal=True).eval()
+    x = (torch.randint(-60, 60, (8, 8)).to(torch.float64) * fmt.scale).requires_grad_()
+    g = torch.randn(8, 8, dtype=torch.float64)
+    layer(x).backward(g)
+    ref = x.detach().clone().requires_grad_()
+    keep = torch.tril(torch.ones(8, 8, dtype=torch.bool))
+    torch.where(keep, torch.softmax(ref.masked_fill(~keep, -1e300), -1), 0.0).backward(g)
+    assert torch.equal(x.grad, ref.grad)
+
+
+# --------------------------------------------------------------------------- the x86 kernel
+
+
+_KERNEL_OPS = {
+    "masked-int8": lambda: IntSoftmax.build(
+        40, QFormat(8, 0.05), UINT8_P, causal=True, padding=True, query_len=8, causal_offset=1
+    ),
+    "int16-two-digits": lambda: IntSoftmax.build(24, QFormat(16, 2.0**-9), INT16_P, rounding="half_even"),
+}
+
+
+@pytest.mark.parametrize(
+    "which", ["masked-int8", pytest.param("int16-two-digits", marks=pytest.mark.slow)]
+)
+def test_x86_kernel_is_bit_exact(which):
+    """One compile by default (~15 s cold); the int16 tables' product is in verify and the slow run."""
+    pytest.importorskip("tvm")
+    from compilers.tvm.kernels import kernel_for
+    from qnorm.targets import load_target
+
+    op = _KERNEL_OPS[which]()
+    x = _logits(np.random.default_rng(op.config.n), op.in_fmt, 400, op.config.n)
+    x[::7, ::3] = op.in_fmt.lo
+    x[3] = op.in_fmt.lo
+    assert np.array_equal(kernel_for(op).build(load_target("x86_64"))(x), op.forward(x))
