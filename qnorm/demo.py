@@ -17,6 +17,7 @@ from qnorm.ops import IntRMSNorm
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, spike_agreement
 from qnorm.qformat import QFormat
+from qnorm import report_softmax
 from qnorm.report import (
     CaseResult,
     NormBuilder,
@@ -125,12 +126,19 @@ def multithreshold_markdown(rows: list[MultiThresholdRow]) -> str:
     return "\n".join(out)
 
 
-def error_table_markdown(norms: list[CaseResult], spiking: list[SpikingRow], mt: list[MultiThresholdRow]) -> str:
+def error_table_markdown(
+    norms: list[CaseResult],
+    spiking: list[SpikingRow],
+    mt: list[MultiThresholdRow],
+    softmax: list[report_softmax.SoftmaxResult],
+) -> str:
     """The text of ``error_table.md``: one section per kind of op."""
     return "\n\n".join([
         "## Norms: integer op vs float op (same dequantized input), error in output LSB\n\n" + markdown_table(norms),
         "## Membrane-potential BN in spiking neurons\n\n" + spiking_markdown(spiking),
         "## BN + quantized activation folded into multi-thresholds\n\n" + multithreshold_markdown(mt),
+        "## Softmax: integer op vs float64 softmax (same dequantized logits, masks included)\n\n"
+        + report_softmax.markdown_table(softmax),
     ])
 
 
@@ -141,7 +149,8 @@ def run_demo(out: Path, seed: int = 0) -> str:
     norms = measure_all(norm_builders(), seed)
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
-    text = error_table_markdown(norms, spiking, mt)
+    softmax = report_softmax.measure_all(seed)
+    text = error_table_markdown(norms, spiking, mt, softmax)
     (out / ERROR_TABLE).write_text(text + "\n")
     save_histogram(norms, out / ERROR_HIST)
     print(text)

@@ -24,6 +24,8 @@ from qnorm.demo import (
 )
 from qnorm.metrics import ErrorStats
 from qnorm.report import BIT_WIDTHS, ROW_LENGTHS, CaseResult
+from qnorm.report_softmax import ROW_LENGTHS as SOFTMAX_ROW_LENGTHS
+from qnorm.report_softmax import SoftmaxResult
 from qnorm.train.cli import DEFAULT_OUT as TRAIN_OUT
 from qnorm.train.experiment import (
     AccuracyTable,
@@ -126,8 +128,9 @@ def fake_error_table() -> str:
     stats = ErrorStats(max_lsb=0.5, mean_lsb=0.25, within_1lsb=1.0, saturated=0.0, count=1)
     norms = [CaseResult("IntLayerNorm (L2)", "gaussian", n, bits, stats, np.zeros(1))
              for bits in BIT_WIDTHS for n in ROW_LENGTHS]
+    softmax = [SoftmaxResult("int8 → uint8", "gaussian", n, stats) for n in SOFTMAX_ROW_LENGTHS]
     return error_table_markdown(norms, [SpikingRow("hard reset", 1.0, 0)],
-                                [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)])
+                                [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)], softmax)
 
 
 def fake_accuracy() -> str:
