@@ -213,6 +213,20 @@ def test_numpy_and_torch_bodies_agree_and_stay_in_their_ranges(
     assert (y.sum(axis=-1) <= (1 << op.config.out_frac_bits) + n).all()
 
 
+def test_constant_and_one_hot_rows_reach_the_row_bounds():
+    """A constant row has the largest sum (N·2^F, its longest bit length, the largest
+    numerator); a one-hot row the smallest non-empty sum 2^F and so the largest r."""
+    op = IntSoftmax.build(64, QFormat(8, 0.1), UINT8_P)
+    rep = op.ranges()
+    trace: dict[str, np.ndarray] = {}
+    one_hot = np.full(64, -128)
+    one_hot[5] = 127
+    op.forward(np.stack([np.full(64, 3), one_hot]), trace)
+    for name in ("exp", "exp_sum", "sum_bits", "recip_num", "recip"):
+        assert int(trace[name].max()) == rep[name].hi, name
+    assert int(trace["exp_sum"].min()) == 1 << op.config.exp_bits
+
+
 # --------------------------------------------------------------------------- error vs float64
 
 
