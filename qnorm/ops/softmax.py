@@ -277,9 +277,17 @@ class IntSoftmax(IntOp):
     def reciprocal(self, total: Any, trace: Trace | None) -> tuple[Any, Any]:
         """Per row: r = round(2^(L−1+R) / S) and the output shift L − 1 + R − f
         (S = 0, a fully masked row, is divided as 1: its e are all 0)."""
+        s1 = self.divisor(total)
+        return self.reciprocal_of(s1, record(trace, "sum_bits", fp.bit_length(s1, self._sum_bits)), trace)
+
+    @staticmethod
+    def divisor(total: Any) -> Any:
+        """S, or 1 for a fully masked row."""
+        return fp.select(total > 0, total, total * 0 + 1)
+
+    def reciprocal_of(self, s1: Any, lead: Any, trace: Trace | None) -> tuple[Any, Any]:
+        """:meth:`reciprocal` given the divisor and its bit length L."""
         cfg = self.config
-        s1 = fp.select(total > 0, total, total * 0 + 1)
-        lead = record(trace, "sum_bits", fp.bit_length(s1, self._sum_bits))
         num = record(trace, "recip_num", (s1 * 0 + (1 << cfg.inv_bits)) << (lead - 1))
         r = record(trace, "recip", fp.div_round(num, s1))
         k = record(trace, "out_shift", lead - 1 + cfg.inv_bits - cfg.out_frac_bits)

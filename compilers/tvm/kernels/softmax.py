@@ -11,8 +11,9 @@ How :meth:`IntSoftmax._forward` maps to TIR (``rows`` symbolic, N static):
    for the row sum, once for the output — instead of stored: a subtraction and a
    load cost less than a row of scratch.
 3. **Row sum** (``row_sum``) in the narrowest exact accumulator, then the op's own
-   :meth:`IntSoftmax.reciprocal` on TIR (select, leading-one position, one
-   division), cut into per-row stages.
+   per-row code on TIR, cut into per-row stages: the leading-one position of
+   :meth:`IntSoftmax.divisor` once (``sum_bits``), then
+   :meth:`IntSoftmax.reciprocal_of` (one division) and the output shift.
 4. **Per element**, in the datapath's lanes (``cfg.lanes``: int32 for int8 in and
    out): ``e · r``, the rounding shift, saturation — the fixedpoint calls of
    ``_forward``.
@@ -32,14 +33,15 @@ from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.analysis import Interval
-from qnorm.fixedpoint import land, rshift_round, saturate, select
+from qnorm.fixedpoint import bit_length, land, rshift_round, saturate, select
 from qnorm.ops.base import record
 from qnorm.ops.softmax import DIGIT_BITS, IntSoftmax
 
 
 def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
     """``main(x, *tables, out)`` for one softmax instance: x (rows, N) → out (rows, N)."""
-    if type(op)._forward is not IntSoftmax._forward or type(op).exp is not IntSoftmax.exp:
+    mirrored = ("_forward", "exp", "reciprocal")  # what the stages below mirror or split
+    if any(getattr(type(op), name) is not getattr(IntSoftmax, name) for name in mirrored):
         raise NotImplementedError(f"{type(op).__name__} overrides a stage that softmax_kernel does not mirror")
     cfg, rep = op.config, op.ranges()
     n, dt = cfg.n, f"int{cfg.lanes}"
@@ -92,10 +94,15 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
     total = te.compute((rows,), lambda r: te.sum(exp(r, j).astype(acc), axis=j), name="row_sum")
     trace["exp_sum"] = total
 
-    def reciprocal(r: Any, tr: Any = None) -> tuple[Any, Any]:
-        return op.reciprocal(load64(total, r), tr)
+    op.reciprocal(load64(total, row), trace)  # the trace names, in order
+    # the leading-one search once per row, shared by r and the shift
+    lead = staged_compute(
+        (rows,), lambda r: bit_length(op.divisor(load64(total, r)), op._sum_bits), "sum_bits"
+    )
 
-    reciprocal(row, trace)
+    def reciprocal(r: Any) -> tuple[Any, Any]:
+        return op.reciprocal_of(op.divisor(load64(total, r)), load64(lead, r), None)
+
     recip = staged_compute((rows,), lambda r: reciprocal(r)[0], "recip")
     shift = staged_compute((rows,), lambda r: reciprocal(r)[1], "out_shift")
 
