@@ -108,7 +108,9 @@ def test_every_int8_row_of_two_against_the_reference():
         assert (got == want).all(), d
 
 
-@pytest.mark.parametrize("scale, step, frac_bits", [(0.05, 1, 15), (2.0**-4, 1, 15), (2.0**-10, 256, 24), (0.0371, 1, 30)])
+@pytest.mark.parametrize(
+    "scale, step, frac_bits", [(0.05, 1, 15), (2.0**-4, 1, 15), (2.0**-10, 256, 24), (0.0371, 1, 30)]
+)
 def test_exp_tables_are_exactly_rounded(scale, step, frac_bits):
     table = exp_table(scale, step, 256, frac_bits)
     assert table.tolist() == [_exact_entry(scale, step * j, frac_bits) for j in range(256)]
@@ -309,9 +311,7 @@ _KERNEL_OPS = {
 }
 
 
-@pytest.mark.parametrize(
-    "which", ["masked-int8", pytest.param("int16-two-digits", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("which", ["masked-int8", pytest.param("int16-two-digits", marks=pytest.mark.slow)])
 def test_x86_kernel_is_bit_exact(which):
     """One compile by default (~15 s cold); the int16 tables' product is in verify and the slow run."""
     pytest.importorskip("tvm")

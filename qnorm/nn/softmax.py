@@ -92,7 +92,9 @@ class IntSoftmax(QATModule):
     def _config_metadata(self) -> dict[str, Any]:
         return {**self.options, "rounding": self.options["rounding"].value}
 
-    def forward(self, x: torch.Tensor | Any, lengths: torch.Tensor | None = None, key_mask: torch.Tensor | None = None) -> Output:
+    def forward(
+        self, x: torch.Tensor | Any, lengths: torch.Tensor | None = None, key_mask: torch.Tensor | None = None
+    ) -> Output:
         """``x``: logits ``(..., n)``; ``lengths`` / ``key_mask``: padding (``padding=True`` only)."""
         if (lengths is not None or key_mask is not None) and not self.options["padding"]:
             raise ValueError("lengths / key_mask mark padded keys: build the layer with padding=True")

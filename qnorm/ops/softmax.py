@@ -27,8 +27,9 @@ the polynomial, a variable shift and a clamp per element, and its error is the
 polynomial's: measured max relative error of 2^-u on [0, 1) for Chebyshev
 interpolants is 2.3e-3 (degree 2) and 1.0e-4 (degree 3), up to 0.58 and 0.026
 LSB of a uint8 probability near 1 before any rounding of its own, where the
-table's is 2^-16 (the whole op then measures <= 0.51 LSB, README "Softmax").  For b in 9..16 bits (int16 logits) the argument is split in
-base-256 digits, ``exp(−s d) = exp(−s d_lo) · exp(−256 s d_hi)``: two tables
+table's is 2^-16 (the whole op measures 0.50–0.76 LSB at most against float64
+softmax: README "Softmax").  For b in 9..16 bits (int16 logits) the argument is
+split in base-256 digits, ``exp(−s d) = exp(−s d_lo) · exp(−256 s d_hi)``: two tables
 (256 and 2^(b−8) entries) and one multiply + rounding shift, exact to about one
 unit of 2^-F — still cheaper and more accurate than a degree-3 polynomial.
 
@@ -105,12 +106,16 @@ class SoftmaxConfig:
             if not isinstance(getattr(self, name), QFormat):
                 raise ValueError(f"{name} must be a QFormat, got {type(getattr(self, name)).__name__}")
         if not self.in_fmt.signed or not IN_BITS[0] <= self.in_fmt.bits <= IN_BITS[1]:
-            raise ValueError(f"softmax logits must be signed {IN_BITS[0]}..{IN_BITS[1]}-bit integers, got {self.in_fmt}")
+            raise ValueError(
+                f"softmax logits must be signed {IN_BITS[0]}..{IN_BITS[1]}-bit integers, got {self.in_fmt}"
+            )
         if not OUT_BITS[0] <= self.out_fmt.bits <= OUT_BITS[1]:
-            raise ValueError(f"softmax outputs of {OUT_BITS[0]}..{OUT_BITS[1]} bits are supported, got {self.out_fmt.bits}")
+            raise ValueError(
+                f"softmax outputs of {OUT_BITS[0]}..{OUT_BITS[1]} bits are supported, got {self.out_fmt.bits}"
+            )
         if not self.out_fmt.is_power_of_two or self.out_fmt.scale > 0.5:
             raise ValueError(
-                f"the output scale must be 2^-f with f >= 1 (probabilities in units of 2^-f), got {self.out_fmt.scale!r}"
+                f"the output scale must be 2^-f with f >= 1 (probabilities in 2^-f units), got {self.out_fmt.scale!r}"
             )
         for name in ("causal", "padding"):
             if not isinstance(getattr(self, name), bool):

@@ -70,9 +70,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
         return value if cond is None else select(cond, value, tirx.const(other, str(value.ty)))
 
     k = te.reduce_axis((0, n), name="k")
-    top = te.compute(
-        (rows,), lambda r: te.max(masked(keep(r, k), load_as(x, dt, r, k), lo), axis=k), name="row_max"
-    )
+    top = te.compute((rows,), lambda r: te.max(masked(keep(r, k), load_as(x, dt, r, k), lo), axis=k), name="row_max")
     trace["max"] = top
 
     def exp(r: Any, c: Any, tr: Any = None) -> Any:
@@ -96,9 +94,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
 
     op.reciprocal(load64(total, row), trace)  # the trace names, in order
     # the leading-one search once per row, shared by r and the shift
-    lead = staged_compute(
-        (rows,), lambda r: bit_length(op.divisor(load64(total, r)), op._sum_bits), "sum_bits"
-    )
+    lead = staged_compute((rows,), lambda r: bit_length(op.divisor(load64(total, r)), op._sum_bits), "sum_bits")
 
     def reciprocal(r: Any) -> tuple[Any, Any]:
         return op.reciprocal_of(op.divisor(load64(total, r)), load64(lead, r), None)
@@ -127,4 +123,3 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
         out_dtype=fmt_dtype(cfg.out_fmt),
         row_shape=(n,),
     )
-
