@@ -2,19 +2,25 @@
 
 The float op is ``p_i = exp(s x_i) / Σ_j exp(s x_j)`` over the kept (unmasked)
 columns of a row of integer logits x with input scale s; masked columns give 0.
-Per row, in integers (F = ``exp_bits``, R = ``inv_bits``, f = the output's
-fraction bits, ``out_fmt.scale = 2^-f``):
+Per row, in integers (F = ``exp_bits``, G = ``sum_guard``, R = ``inv_bits``,
+M = R + 2 mantissa bits, f = the output's fraction bits, ``out_fmt.scale = 2^-f``):
 
     m   = max_j x_j                                 (over kept columns)
     d_i = m − x_i  ∈ [0, 2^b − 1]                   (so every exponent argument is ≤ 0)
-    e_i = round(2^F exp(−s d_i))                    (a table lookup, see below; 0 if masked)
-    S   = Σ e_i  ∈ [2^F, N 2^F]                     (the max column alone gives 2^F)
-    L   = bit_length(S),  r = round(2^(L−1+R) / S) ∈ [2^(R−1), 2^R]   (ONE division)
-    y_i = sat(round(e_i r / 2^(L−1+R−f)))           (one multiply, one rounding shift)
+    t_i = round(2^(F+G) exp(−s d_i))                (the sum's term: a table, see below; 0 if masked)
+    e_i = round(2^F exp(−s d_i))                    (the output's numerator: a table; 0 if masked)
+    S   = Σ t_i  ∈ [2^(F+G), N 2^(F+G)]             (the max column alone gives 2^(F+G))
+    L   = bit_length(S),  μ = round(S / 2^(L−M))    (S's top M bits)
+    r   = round(2^(M−1+R) / μ) ∈ [2^(R−1), 2^R]     (ONE division, of bounded operands)
+    y_i = sat(round(e_i r / 2^(L−1+R−f−G)))         (one multiply, one rounding shift)
 
-so ``y_i / 2^f = e_i / S`` up to r's relative error 2^-R.  Normalizing the
-reciprocal by S's leading-one position keeps r at R significant bits whatever
-the row length, and the product ``e_i r <= 2^(F+R)`` in the lanes.
+so ``y_i / 2^f = e_i / (S 2^-G)`` up to the relative errors 2^-M of μ and 2^-R
+of r.  The G guard bits are the sum's: the table error of every term adds up in
+S (N terms of half a unit each; with G = 0, 1023 entries that round 0.52 up to 1
+moved a probability near 1 by 3.9 LSB at N = 1024), while each e_i's own error
+only moves its own output.  Normalizing S by its leading one keeps r at R
+significant bits for any row length, the division's operands within M−1+R bits,
+and the product ``e_i r <= 2^(F+R)`` in the lanes.
 
 **exp by tables, not by 2^(x log2 e) with a polynomial.**  d takes at most 2^b
 values, so for b ≤ 8 bits ``exp(−s d)`` is one table of ≤ 256 entries, each the
@@ -27,7 +33,7 @@ the polynomial, a variable shift and a clamp per element, and its error is the
 polynomial's: measured max relative error of 2^-u on [0, 1) for Chebyshev
 interpolants is 2.3e-3 (degree 2) and 1.0e-4 (degree 3), up to 0.58 and 0.026
 LSB of a uint8 probability near 1 before any rounding of its own, where the
-table's is 2^-16 (the whole op measures 0.50–0.76 LSB at most against float64
+table's is 2^-16 (the whole op measures 0.50–0.51 LSB at most against float64
 softmax: README "Softmax").  For b in 9..16 bits (int16 logits) the argument is
 split in base-256 digits, ``exp(−s d) = exp(−s d_lo) · exp(−256 s d_hi)``: two tables
 (256 and 2^(b−8) entries) and one multiply + rounding shift, exact to about one
@@ -73,18 +79,21 @@ IN_BITS = (2, 16)  # logits of 2..16 bits: one table digit up to 8 bits, two abo
 OUT_BITS = (2, 16)
 DIGIT_BITS = 8  # table index width: one 256-entry table per base-256 digit of d
 LANES = (32, 64)
-# (exp_bits F, extra reciprocal bits over f) per datapath: 32-bit lanes hold
-# e·r <= 2^(F+R) with F + R <= 29; 64 lets int16 outputs have F = 24, R = f + 8.
-DEFAULT_BITS = {32: (15, 6), 64: (24, 8)}
+# (exp_bits F, sum_guard G, extra reciprocal bits over f) per datapath: 32-bit
+# lanes hold e·r <= 2^(F+R) with F + R <= 29 and the sum's terms 2^(F+G); 64 lets
+# int16 outputs have F = 22, R = f + 8, two-digit table products 2^(2(F+G)) <= 2^60.
+DEFAULT_BITS = {32: (15, 8, 6), 64: (22, 8, 8)}
+MANTISSA_EXTRA = 2  # S's mantissa keeps R + 2 bits: its rounding costs r a quarter of its own
 
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
     """IntSoftmax's integer configuration (validated, immutable).
 
-    ``exp_bits`` (F), ``inv_bits`` (R) and ``lanes`` default from the formats:
-    32-bit lanes with F = 15, R = f + 6 for inputs and outputs of up to 8 bits,
-    else 64-bit lanes with F = 24, R = f + 8 (capped to what the lanes hold).
+    ``exp_bits`` (F), ``sum_guard`` (G), ``inv_bits`` (R) and ``lanes`` default
+    from the formats: 32-bit lanes with F = 15, G = 8, R = f + 6 for inputs and
+    outputs of up to 8 bits, else 64-bit lanes with F = 22, G = 8, R = f + 8
+    (F capped to what the lanes hold).
     """
 
     n: int
@@ -96,6 +105,7 @@ class SoftmaxConfig:
     query_len: int | None = None
     padding: bool = False
     exp_bits: int | None = None
+    sum_guard: int | None = None
     inv_bits: int | None = None
     lanes: int | None = None
 
@@ -132,18 +142,42 @@ class SoftmaxConfig:
         if lanes not in LANES:
             raise ValueError(f"lanes (the per-element datapath width) must be one of {LANES}, got {lanes!r}")
         object.__setattr__(self, "lanes", lanes)
-        f_bits, extra = DEFAULT_BITS[lanes]
+        f_bits, guard, extra = DEFAULT_BITS[lanes]
+        fo = self.out_frac_bits
         if self.inv_bits is None:
-            object.__setattr__(self, "inv_bits", self.out_frac_bits + extra)
+            object.__setattr__(self, "inv_bits", fo + extra)
         if self.exp_bits is None:  # what the lanes leave beside R: e·r <= 2^(F+R) in lanes − 1 bits
             object.__setattr__(self, "exp_bits", min(f_bits, lanes - 3 - self.inv_bits))
-        _check_int("exp_bits", self.exp_bits, 1, 30)
-        _check_int("inv_bits", self.inv_bits, self.out_frac_bits, 40)
+        if self.sum_guard is None:
+            object.__setattr__(self, "sum_guard", guard)
+        # F >= f + 2 and R >= f + 4 keep y <= 2^f + 1 (the range analysis' proof)
+        _check_int("exp_bits", self.exp_bits, fo + 2, 30)
+        _check_int("inv_bits", self.inv_bits, fo + 4, 30)
+        _check_int("sum_guard", self.sum_guard, 0, 30 - self.exp_bits)
+        if self.mant_bits > self.sum_bits_min:
+            raise ValueError(
+                f"inv_bits {self.inv_bits} needs a {self.mant_bits}-bit mantissa of the row sum, which has "
+                f"only {self.sum_bits_min} bits at least: raise exp_bits + sum_guard or lower inv_bits"
+            )
 
     @property
     def out_frac_bits(self) -> int:
         """f: the output's LSB is 2^-f."""
         return -(math.frexp(self.out_fmt.scale)[1] - 1)
+
+    @property
+    def sum_frac_bits(self) -> int:
+        """F + G: the sum's terms are exp in units of 2^-(F+G)."""
+        return self.exp_bits + self.sum_guard
+
+    @property
+    def sum_bits_min(self) -> int:
+        """Bit length of the smallest divisor, 2^(F+G) (the max column alone, or an empty row)."""
+        return self.sum_frac_bits + 1
+
+    @property
+    def mant_bits(self) -> int:
+        return self.inv_bits + MANTISSA_EXTRA
 
     @property
     def digits(self) -> int:
@@ -222,12 +256,15 @@ class IntSoftmax(IntOp):
             raise ValueError(f"IntSoftmax needs a SoftmaxConfig, got {type(config).__name__}")
         self.config = config
         self.in_fmt, self.out_fmt = config.in_fmt, config.out_fmt
-        s, f_bits, levels = config.in_fmt.scale, config.exp_bits, config.diff_max + 1
-        if config.digits == 1:
-            self.tables: tuple[np.ndarray, ...] = (exp_table(s, 1, levels, f_bits),)
-        else:
-            base = 1 << DIGIT_BITS
-            self.tables = (exp_table(s, 1, base, f_bits), exp_table(s, base, -(-levels // base), f_bits))
+        s, levels, base = config.in_fmt.scale, config.diff_max + 1, 1 << DIGIT_BITS
+        fs = config.sum_frac_bits
+        if config.digits == 1:  # the sum's table (F + G bits) and the output's (F bits)
+            self.tables: tuple[np.ndarray, ...] = (
+                exp_table(s, 1, levels, fs),
+                exp_table(s, 1, levels, config.exp_bits),
+            )
+        else:  # both digits with F + G bits: their product serves the sum and the output
+            self.tables = (exp_table(s, 1, base, fs), exp_table(s, base, -(-levels // base), fs))
         self._report = self._ranges()
 
     @classmethod
@@ -261,46 +298,48 @@ class IntSoftmax(IntOp):
         d = top - x
         if keep is not None:  # a masked column may exceed the row's max: read entry 0, then drop it
             d = fp.select(keep, d, d * 0)
-        e = self.exp(record(trace, "diff", d), trace)
+        term, e = self.exp(record(trace, "diff", d), trace)
         if keep is not None:
-            e = fp.select(keep, e, e * 0)
-        total = record(trace, "exp_sum", row_sum(e))
+            term, e = fp.select(keep, term, term * 0), fp.select(keep, e, e * 0)
+        total = record(trace, "exp_sum", row_sum(term))
         r, k = self.reciprocal(total, trace)
         prod = record(trace, "prob_product", e * r)
         y = record(trace, "y", fp.rshift_round(prod, k, cfg.rounding))
         return record(trace, "out", fp.saturate(y, cfg.out_fmt.bits, cfg.out_fmt.signed))
 
-    def exp(self, d: Any, trace: Trace | None) -> Any:
-        """``e = round(2^F exp(−s d))``: one table, or two digits' tables and one product."""
-        if self.config.digits == 1:
-            return record(trace, "exp", lookup(self.tables[0], d))
+    def exp(self, d: Any, trace: Trace | None) -> tuple[Any, Any]:
+        """The sum's term ``round(2^(F+G) exp(−s d))`` and the output's ``round(2^F exp(−s d))``:
+        two tables, or the two digits' tables, their product and two rounding shifts."""
+        cfg = self.config
+        if cfg.digits == 1:
+            return record(trace, "sum_term", lookup(self.tables[0], d)), record(trace, "exp", lookup(self.tables[1], d))
         low = lookup(self.tables[0], d & ((1 << DIGIT_BITS) - 1))
         high = lookup(self.tables[1], d >> DIGIT_BITS)
         both = record(trace, "exp_product", low * high)
-        return record(trace, "exp", fp.rshift_round(both, self.config.exp_bits))
+        term = record(trace, "sum_term", fp.rshift_round(both, cfg.sum_frac_bits))
+        return term, record(trace, "exp", fp.rshift_round(both, cfg.sum_frac_bits + cfg.sum_guard))
 
     def reciprocal(self, total: Any, trace: Trace | None) -> tuple[Any, Any]:
-        """Per row: r = round(2^(L−1+R) / S) and the output shift L − 1 + R − f
-        (S = 0, a fully masked row, is divided as 1: its e are all 0)."""
+        """Per row: r = round(2^(M−1+R) / μ) of S's mantissa μ, and the output shift
+        L − 1 + R − f − G (S = 0, a fully masked row, is divided as 2^(F+G))."""
         s1 = self.divisor(total)
         return self.reciprocal_of(s1, record(trace, "sum_bits", fp.bit_length(s1, self._sum_bits)), trace)
 
-    @staticmethod
-    def divisor(total: Any) -> Any:
-        """S, or 1 for a fully masked row."""
-        return fp.select(total > 0, total, total * 0 + 1)
+    def divisor(self, total: Any) -> Any:
+        """S, or 2^(F+G) for a fully masked row (as if one column were kept: its e are all 0)."""
+        return fp.select(total > 0, total, total * 0 + (1 << self.config.sum_frac_bits))
 
     def reciprocal_of(self, s1: Any, lead: Any, trace: Trace | None) -> tuple[Any, Any]:
-        """:meth:`reciprocal` given the divisor and its bit length L."""
+        """:meth:`reciprocal` given the divisor and its bit length L (>= M: the config's check)."""
         cfg = self.config
-        num = record(trace, "recip_num", (s1 * 0 + (1 << cfg.inv_bits)) << (lead - 1))
-        r = record(trace, "recip", fp.div_round(num, s1))
-        k = record(trace, "out_shift", lead - 1 + cfg.inv_bits - cfg.out_frac_bits)
+        mant = record(trace, "mant", fp.rshift_round(s1, lead - cfg.mant_bits))
+        r = record(trace, "recip", fp.div_round(mant * 0 + (1 << (cfg.mant_bits - 1 + cfg.inv_bits)), mant))
+        k = record(trace, "out_shift", lead - 1 + cfg.inv_bits - cfg.out_frac_bits - cfg.sum_guard)
         return r, k
 
     @property
     def _sum_bits(self) -> int:
-        return (self.config.n << self.config.exp_bits).bit_length()
+        return (self.config.n << self.config.sum_frac_bits).bit_length()
 
     # ---- static ranges
 
@@ -310,35 +349,37 @@ class IntSoftmax(IntOp):
     def _ranges(self) -> RangeReport:
         """Every intermediate's exact bounds; per-element ones must fit the lanes less a bit.
 
-        y's bound: e <= S and r <= 2^(L−1+R)/S + 1/2, so e·r <= 2^(L−1+R) + e/2 and,
-        as e <= 2^F <= 2^k for k = L−1+R−f >= F (R >= f, L > F), y <= 2^f + 1.
+        y's bound: e_i 2^G <= t_i + 1/2 + 2^(G−1) and t_i <= S >= 2^(F+G) give
+        e_i 2^(f+G) / S <= 2^f + 2^(f−F); μ and r are rounded to M and R bits, so
+        e_i r / 2^k <= (2^f + 2^(f−F)) (1 + 2^(1−M)) (1 + 2^-R) < 2^f + 1/2 for
+        F >= f + 2 and R >= f + 4 (the config's checks): y <= 2^f + 1 in any mode.
         """
         cfg = self.config
         rep = RangeReport(self.name)
-        f_bits, r_bits, fo = cfg.exp_bits, cfg.inv_bits, cfg.out_frac_bits
-        one = 1 << f_bits
+        f_bits, r_bits, fo, guard = cfg.exp_bits, cfg.inv_bits, cfg.out_frac_bits, cfg.sum_guard
         rep.add("max", Interval(cfg.in_fmt.lo, cfg.in_fmt.hi))
         rep.add("diff", Interval(0, cfg.diff_max))
         if cfg.digits == 2:
             rep.add("exp_product", Interval(0, int(self.tables[0].max()) * int(self.tables[1].max())))
-        rep.add("exp", Interval(0, one))
-        rep.add("exp_sum", Interval(0, cfg.n * one))
+        rep.add("sum_term", Interval(0, 1 << cfg.sum_frac_bits))
+        rep.add("exp", Interval(0, 1 << f_bits))
+        rep.add("exp_sum", Interval(0, cfg.n << cfg.sum_frac_bits))
         lmax = self._sum_bits
-        rep.add("sum_bits", Interval(1, lmax))
-        rep.add("recip_num", Interval(1 << r_bits, 1 << (lmax - 1 + r_bits)))
+        rep.add("sum_bits", Interval(cfg.sum_bits_min, lmax))
+        rep.add("mant", Interval(1 << (cfg.mant_bits - 1), 1 << cfg.mant_bits))
         rep.add("recip", Interval(1 << (r_bits - 1), 1 << r_bits))
-        rep.add("out_shift", Interval(r_bits - fo, lmax - 1 + r_bits - fo))
-        rep.add("prob_product", Interval(0, one << r_bits))
+        rep.add("out_shift", Interval(cfg.sum_bits_min - 1 + r_bits - fo - guard, lmax - 1 + r_bits - fo - guard))
+        rep.add("prob_product", Interval(0, 1 << (f_bits + r_bits)))
         rep.add("y", Interval(0, (1 << fo) + 1))
         rep.add("out", rep["y"].clamp(cfg.out_fmt.lo, cfg.out_fmt.hi))
         rep.check()
-        for name in ("diff", "exp_product", "exp", "prob_product", "y"):
+        for name in ("diff", "exp_product", "sum_term", "exp", "prob_product", "y"):
             if name in rep.items and rep[name].bits > cfg.lanes - 1:
                 iv = rep[name]
                 raise OverflowRiskError(
                     f"{self.name}: per-element intermediate {name!r} spans [{iv.lo}, {iv.hi}], which needs "
                     f"{iv.bits} bits, but the {cfg.lanes}-bit lanes hold {cfg.lanes - 1} (less one bit of rounding "
-                    "headroom); lower exp_bits / inv_bits or use lanes=64"
+                    "headroom); lower exp_bits / sum_guard / inv_bits or use lanes=64"
                 )
         return rep
 
@@ -369,9 +410,9 @@ class IntSoftmax(IntOp):
             # shift, saturation; each mask a compare and a select or two
             "per_element": {
                 "add": 1,
-                "lookup": cfg.digits,
+                "lookup": 2,  # the sum's and the output's entries (or the two digits')
                 "mul": cfg.digits,
-                "shift": cfg.digits,
+                "shift": 2 * cfg.digits - 1,
                 "saturate": 1,
                 "compare": mask,
                 "select": 3 * bool(mask),

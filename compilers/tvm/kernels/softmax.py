@@ -3,17 +3,20 @@
 How :meth:`IntSoftmax._forward` maps to TIR (``rows`` symbolic, N static):
 
 1. **Row max** over the kept columns: a TE max reduction (``row_max``).
-2. **Exponentials** ``e = T[m − x]``: loads from the op's own tables, passed as
-   kernel arguments (``exp``, or ``exp_lo`` / ``exp_hi`` for two digits), and the
-   digits' product with the same :func:`~qnorm.fixedpoint.rshift_round`; masked
-   columns give 0.  Mirrored from :meth:`IntSoftmax.exp` (the op reads its tables
-   as whole numpy vectors, here an entry is one load), and computed twice — once
-   for the row sum, once for the output — instead of stored: a subtraction and a
-   load cost less than a row of scratch.
+2. **Exponentials** ``t = T_sum[m − x]`` (the sum's terms, F + G bits) and
+   ``e = T[m − x]`` (the output's, F bits): loads from the op's own tables, passed
+   as kernel arguments (``term_table`` and ``exp_table``, or ``exp_lo`` /
+   ``exp_hi`` for two digits, whose product is shifted twice with the same
+   :func:`~qnorm.fixedpoint.rshift_round`); masked columns give 0.
+   Mirrored from :meth:`IntSoftmax.exp` (the op reads its tables as whole numpy
+   vectors, here an entry is one load), and computed in each pass — t for the
+   row sum, e for the output — instead of stored: a subtraction and a load cost
+   less than a row of scratch.
 3. **Row sum** (``row_sum``) in the narrowest exact accumulator, then the op's own
    per-row code on TIR, cut into per-row stages: the leading-one position of
    :meth:`IntSoftmax.divisor` once (``sum_bits``), then
-   :meth:`IntSoftmax.reciprocal_of` (one division) and the output shift.
+   :meth:`IntSoftmax.reciprocal_of` (S's mantissa, one division) and the output
+   shift.
 4. **Per element**, in the datapath's lanes (``cfg.lanes``: int32 for int8 in and
    out): ``e · r``, the rounding shift, saturation — the fixedpoint calls of
    ``_forward``.
@@ -45,7 +48,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
         raise NotImplementedError(f"{type(op).__name__} overrides a stage that softmax_kernel does not mirror")
     cfg, rep = op.config, op.ranges()
     n, dt = cfg.n, f"int{cfg.lanes}"
-    names = ("exp",) if cfg.digits == 1 else ("exp_lo", "exp_hi")
+    names = ("term_table", "exp_table") if cfg.digits == 1 else ("exp_lo", "exp_hi")
     consts = [ChannelConst(name, t) for name, t in zip(names, op.tables)]
     tables = [c.placeholder() for c in consts]
     trace: dict[str, Any] = {}
@@ -73,23 +76,26 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
     top = te.compute((rows,), lambda r: te.max(masked(keep(r, k), load_as(x, dt, r, k), lo), axis=k), name="row_max")
     trace["max"] = top
 
-    def exp(r: Any, c: Any, tr: Any = None) -> Any:
-        """Mirror of ``_forward``'s d and :meth:`IntSoftmax.exp`, masked columns 0."""
+    def exp(r: Any, c: Any, tr: Any = None) -> tuple[Any, Any]:
+        """Mirror of ``_forward``'s d and :meth:`IntSoftmax.exp`: (the sum's term, e),
+        masked columns 0.  Each pass uses one of them, so a pass loads one table."""
         cond = keep(r, c)
         d = record(tr, "diff", masked(cond, load_as(top, dt, r) - load_as(x, dt, r, c), 0))
         if cfg.digits == 1:
-            e = record(tr, "exp", load_as(tables[0], dt, d))
+            term = record(tr, "sum_term", load_as(tables[0], dt, d))
+            e = record(tr, "exp", load_as(tables[1], dt, d))
         else:
             low = load_as(tables[0], dt, d & ((1 << DIGIT_BITS) - 1))
             both = record(tr, "exp_product", low * load_as(tables[1], dt, d >> DIGIT_BITS))
-            e = record(tr, "exp", rshift_round(both, cfg.exp_bits))
-        return masked(cond, e, 0)
+            term = record(tr, "sum_term", rshift_round(both, cfg.sum_frac_bits))
+            e = record(tr, "exp", rshift_round(both, cfg.sum_frac_bits + cfg.sum_guard))
+        return masked(cond, term, 0), masked(cond, e, 0)
 
     row, col = tirx.Var("r", "int64"), tirx.Var("c", "int64")
     exp(row, col, trace)  # the trace names, in order
     acc = int_dtype(rep["exp_sum"])
     j = te.reduce_axis((0, n), name="j")
-    total = te.compute((rows,), lambda r: te.sum(exp(r, j).astype(acc), axis=j), name="row_sum")
+    total = te.compute((rows,), lambda r: te.sum(exp(r, j)[0].astype(acc), axis=j), name="row_sum")
     trace["exp_sum"] = total
 
     op.reciprocal(load64(total, row), trace)  # the trace names, in order
@@ -103,7 +109,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
     shift = staged_compute((rows,), lambda r: reciprocal(r)[1], "out_shift")
 
     def element(r: Any, c: Any) -> Any:
-        prod = record(trace, "prob_product", exp(r, c) * recip[r].astype(dt))
+        prod = record(trace, "prob_product", exp(r, c)[1] * recip[r].astype(dt))
         y = record(trace, "y", rshift_round(prod, shift[r].astype(dt), cfg.rounding))
         out = record(trace, "out", saturate(y, cfg.out_fmt.bits, cfg.out_fmt.signed))
         return out.astype(fmt_dtype(cfg.out_fmt))
