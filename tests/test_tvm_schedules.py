@@ -26,6 +26,7 @@ ONE_PER_FAMILY = (
     "bn_quant.int8.c16.relu4",
     "multithreshold.int8.c16.s3.floor",
     "mpbn_lif.int8.c16.soft.gt.noleak",
+    "softmax.int8.n16.causal",
 )
 
 
