@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from qnorm import report_softmax
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
 from qnorm.ops import IntRMSNorm
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron, spike_agreement
 from qnorm.qformat import QFormat
-from qnorm import report_softmax
 from qnorm.report import (
     CaseResult,
     NormBuilder,

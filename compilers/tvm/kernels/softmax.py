@@ -35,7 +35,6 @@ from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, int_dty
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
 from compilers.tvm.schedules import CPU, Schedule
-from qnorm.analysis import Interval
 from qnorm.fixedpoint import bit_length, land, rshift_round, saturate, select
 from qnorm.ops.base import record
 from qnorm.ops.softmax import DIGIT_BITS, IntSoftmax
