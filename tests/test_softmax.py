@@ -198,15 +198,15 @@ _FORMATS = st.sampled_from(
     padding=st.booleans(),
     offset=st.integers(0, 3),
     rounding=st.sampled_from(["half_up", "half_even", "floor", "trunc"]),
+    guard=st.sampled_from([4, 8]),  # 0 is refused for the wide outputs (too short a mantissa)
     seed=st.integers(0, 2**16),
 )
 def test_numpy_and_torch_bodies_agree_and_stay_in_their_ranges(
-    fmts, n, query_len, causal, padding, offset, rounding, seed
+    fmts, n, query_len, causal, padding, offset, rounding, guard, seed
 ):
     in_fmt, out_fmt = fmts
-    op = IntSoftmax.build(
-        n, in_fmt, out_fmt, causal=causal, padding=padding, causal_offset=offset, query_len=query_len, rounding=rounding
-    )
+    options = {"causal": causal, "padding": padding, "causal_offset": offset, "query_len": query_len}
+    op = IntSoftmax.build(n, in_fmt, out_fmt, rounding=rounding, sum_guard=guard, **options)
     rng = np.random.default_rng(seed)
     x = _logits(rng, in_fmt, 3 * query_len, n).reshape(3, query_len, n)
     x[rng.random(x.shape) < 0.2] = in_fmt.lo
@@ -250,6 +250,17 @@ def test_the_sum_guard_keeps_many_rounded_up_terms_from_moving_the_max():
 
 
 # --------------------------------------------------------------------------- error vs float64
+
+
+def test_float_reference_is_torch_softmax_with_masked_keys_at_minus_infinity():
+    fmt = QFormat(8, 0.1)
+    op = IntSoftmax.build(12, fmt, UINT8_P, causal=True, padding=True, query_len=4, causal_offset=1)
+    x = _logits(np.random.default_rng(5), fmt, 8, 12).astype(np.float64) * fmt.scale
+    x[:, 7] = fmt.lo * fmt.scale  # a padded key in every row
+    keep = torch.from_numpy((np.arange(12) <= np.arange(8)[:, None] % 4 + 1) & (np.arange(12) != 7))
+    want = torch.softmax(torch.from_numpy(x).masked_fill(~keep, -math.inf), dim=-1)
+    assert np.array_equal(op.float_reference(x) == 0, ~keep.numpy())
+    np.testing.assert_allclose(op.float_reference(x), want.numpy(), rtol=1e-12, atol=0)  # two float64 softmaxes
 
 
 @pytest.mark.parametrize(
