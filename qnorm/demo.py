@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from qnorm import report_softmax
 from qnorm.activation_report import ActivationRow, activation_markdown, measure_activations
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
@@ -132,6 +133,7 @@ def error_table_markdown(
     mt: list[MultiThresholdRow],
     *,
     activations: list[ActivationRow],
+    softmax: list[report_softmax.SoftmaxResult],
 ) -> str:
     """The text of ``error_table.md``: one section per kind of op."""
     return "\n\n".join([
@@ -140,6 +142,8 @@ def error_table_markdown(
         "## BN + quantized activation folded into multi-thresholds\n\n" + multithreshold_markdown(mt),
         "## GELU and SiLU: integer op vs float op on every input code, error in output LSB\n\n"
         + activation_markdown(activations),
+        "## Softmax: integer op vs float64 softmax (same dequantized logits, masks included)\n\n"
+        + report_softmax.markdown_table(softmax),
     ])
 
 
@@ -150,7 +154,8 @@ def run_demo(out: Path, seed: int = 0) -> str:
     norms = measure_all(norm_builders(), seed)
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
-    text = error_table_markdown(norms, spiking, mt, activations=measure_activations())
+    softmax = report_softmax.measure_all(seed)
+    text = error_table_markdown(norms, spiking, mt, activations=measure_activations(), softmax=softmax)
     (out / ERROR_TABLE).write_text(text + "\n")
     save_histogram(norms, out / ERROR_HIST)
     print(text)

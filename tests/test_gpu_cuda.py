@@ -1,7 +1,7 @@
 """CUDA: TVM's CUDA source compiled by nvcc (PTX + cubin, sm_80 and sm_90), the harness, the bundle.
 
 Wherever nvcc is installed, every verify case must compile (a representative
-case per family, all 34 under ``slow``); the plan a GPU would run is checked by
+case per family, every case under ``slow``); the plan a GPU would run is checked by
 running the very same files and launches on PoCL with the OpenCL form of the
 kernel; the harness must build.  Running on a GPU is tested where ``nvidia-smi``
 lists one, and skipped with that reason elsewhere.
@@ -41,6 +41,7 @@ REPRESENTATIVE = (
     "bn_quant.int4.c16.relu4.half_even",
     "multithreshold.int8.c1.relu4.negative_gamma",
     "mpbn_lif.int8.c16.hard.ge.leak0875",
+    "softmax.int8.n16.causal",
 )
 
 if toolchains.nvcc_unavailable():

@@ -25,6 +25,8 @@ from qnorm.demo import (
 )
 from qnorm.metrics import ErrorStats
 from qnorm.report import BIT_WIDTHS, ROW_LENGTHS, CaseResult
+from qnorm.report_softmax import ROW_LENGTHS as SOFTMAX_ROW_LENGTHS
+from qnorm.report_softmax import SoftmaxResult
 from qnorm.train.cli import DEFAULT_OUT as TRAIN_OUT
 from qnorm.train.experiment import (
     AccuracyTable,
@@ -127,9 +129,11 @@ def fake_error_table() -> str:
     stats = ErrorStats(max_lsb=0.5, mean_lsb=0.25, within_1lsb=1.0, saturated=0.0, count=1)
     norms = [CaseResult("IntLayerNorm (L2)", "gaussian", n, bits, stats, np.zeros(1))
              for bits in BIT_WIDTHS for n in ROW_LENGTHS]
+    softmax = [SoftmaxResult("int8 → uint8", "gaussian", n, stats) for n in SOFTMAX_ROW_LENGTHS]
     return error_table_markdown(norms, [SpikingRow("hard reset", 1.0, 0)],
                                 [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)],
-                                activations=[ActivationRow("int_gelu", "int8", "table", 256, 0, 0.5, 0.1, 1.0)])
+                                activations=[ActivationRow("int_gelu", "int8", "table", 256, 0, 0.5, 0.1, 1.0)],
+                                softmax=softmax)
 
 
 def fake_accuracy() -> str:

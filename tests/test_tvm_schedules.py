@@ -27,6 +27,7 @@ ONE_PER_FAMILY = (
     "multithreshold.int8.c16.s3.floor",
     "mpbn_lif.int8.c16.soft.gt.noleak",
     "int_silu.s16.s16",
+    "softmax.int8.n16.causal",
 )
 
 
