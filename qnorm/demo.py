@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from qnorm import report_softmax
-from qnorm.activation_report import ActivationRow, activation_markdown, measure_activations
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
 from qnorm.ops import IntRMSNorm
@@ -26,6 +25,7 @@ from qnorm.report import (
     measure_all,
     save_histogram,
 )
+from qnorm.report_activation import ActivationRow, activation_markdown, measure_activations
 
 # What `qnorm demo --out OUT` writes under OUT; README.md quotes these reports.
 ERROR_TABLE, ERROR_HIST = "error_table.md", "error_hist.png"

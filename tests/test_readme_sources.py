@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from readme_script import load_readme_tables
 
-from qnorm.activation_report import ActivationRow
+from qnorm.report_activation import ActivationRow
 from qnorm.demo import (
     DEPLOY_MODELS,
     DeployRow,

@@ -15,7 +15,7 @@ reference's own rounding (~1e-13 LSB).  It costs one load per element on every
 target (a 256-byte ROM on an FPGA for int8).  Polynomial or shift-based
 approximations cost multiplies per element and are less accurate: I-BERT's
 second-order erf polynomial alone is off by up to 0.018 in real units (measured
-with :mod:`qnorm.activation_report`: 0.65 LSB at int8 with scale 2^-4, 38 LSB at
+with :mod:`qnorm.report_activation`: 0.65 LSB at int8 with scale 2^-4, 38 LSB at
 int16 with scale 2^-11), and ShiftGELU's ``x σ(1.702 x)`` by up to 0.020.
 
 **Segments (13 to 16 bits).**  A table would hold up to 65536 words.  Instead the
