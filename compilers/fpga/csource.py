@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compilers.fpga.pragmas import interface_pragmas
 from qnorm.analysis import Interval
 
 KERNEL_C = "kernel.c"
@@ -225,6 +226,7 @@ def top_source(spec: TopSpec) -> str:
             "}",
             "",
             f"{top_signature(spec)} {{",
+            *interface_pragmas(spec),
             *guard,
             "  DLTensor tensors[NUM_ARGS];",
             *body,
