@@ -5,6 +5,7 @@ its log."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -17,10 +18,11 @@ from amaranth.lib.wiring import In, Out
 from amaranth.sim import Simulator
 
 from compilers import cache
-from compilers.rtl import fp16, synth
+from compilers.rtl import fp16, report, synth
 from compilers.rtl.fp16 import FP16LayerNorm
 from compilers.rtl.fparith import FP16, FP32, FloatAdd, FloatConvert, FloatMul
 from compilers.rtl.synth import FAMILIES, SynthError, synthesize
+from qnorm.cli import main
 
 UINT = {np.float16: np.uint16, np.float32: np.uint32}
 
@@ -87,6 +89,26 @@ def test_a_failing_place_and_route_names_nextpnr_and_its_log(fresh_cache, monkey
     monkeypatch.setitem(FAMILIES, "ecp5", broken)
     with pytest.raises(SynthError, match=r"(?s)nextpnr-ecp5 \(ecp5\) failed.*no-such-flag"):
         synthesize(SquareSum(), "square_sum", "ecp5")
+
+
+# nextpnr-ice40 0.11's log for a unit too large for the UP5K (the lines that matter).
+TOO_LARGE_LOG = """Info: Device utilisation:
+Info: \t         ICESTORM_LC:    6402/   5280   121%
+Info: \t        ICESTORM_RAM:       0/     30     0%
+Info: \t        ICESTORM_DSP:       9/      8   112%
+
+ERROR: Unable to place cell 'x_LC', no BELs remaining to implement cell type 'ICESTORM_LC'
+"""
+
+
+def test_a_unit_too_large_for_the_device_is_a_result_naming_what_it_exceeds(tmp_path, monkeypatch) -> None:
+    assert synth.overused(TOO_LARGE_LOG) == ["ICESTORM_LC 6402/5280", "ICESTORM_DSP 9/8"]
+    monkeypatch.setattr(synth, "_invoke", lambda *args: (1, TOO_LARGE_LOG))
+    fmax, unplaced = synth._place_and_route(FAMILIES["ice40"], tmp_path)
+    assert fmax is None and unplaced == "does not fit Lattice iCE40 UP5K SG48: ICESTORM_LC 6402/5280, ICESTORM_DSP 9/8"
+    monkeypatch.setattr(synth, "_invoke", lambda *args: (1, "ERROR: something else\n"))
+    with pytest.raises(SynthError, match=r"(?s)nextpnr-ice40 \(ice40\) failed with exit status 1.*something else"):
+        synth._place_and_route(FAMILIES["ice40"], tmp_path)
 
 
 def test_an_unknown_family_is_refused_by_name() -> None:
@@ -219,3 +241,61 @@ def test_fp16_layernorm_takes_its_stated_cycles_per_row() -> None:
     _, clocks = run_layernorm(unit, np.arange(3 * n, dtype=np.float16).reshape(3, n))
     assert clocks[2 * n] - clocks[n] == clocks[n] - clocks[0] == unit.cycles_per_row
     assert np.diff(clocks[:n]).tolist() == [1] * (n - 1)  # one result per clock within a row
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _result(unit: str, family: str, lut: int, ff: int, dsp: int, fmax: float | None = None, unplaced=None):
+    resources = synth.Resources(lut, ff, dsp, 0, {})
+    return synth.SynthResult(unit, family, resources, fmax, unplaced, {"yosys": "Yosys 0.70"}, "k", False, 0.0)
+
+
+def _report_unit(op: str, n: int) -> report.ReportUnit:
+    return report.ReportUnit(op, f"int8.n{n}", SquareSum(), cycles_per_row=n + 4, elements_per_cycle=1.0)
+
+
+def test_the_report_gives_each_result_and_the_p5_ratios() -> None:
+    l1, l2, fp = (_report_unit(op, 64) for op in (report.L1, report.L2, report.FP16_OP))
+    results = [
+        (l1, _result(l1.name, "xc7", 70, 50, 1)),
+        (l2, _result(l2.name, "xc7", 100, 80, 2)),
+        (fp, _result(fp.name, "xc7", 400, 100, 0)),
+        (l1, _result(l1.name, "ecp5", 90, 50, 1, fmax=150.0)),
+        (l2, _result(l2.name, "ecp5", 120, 100, 2, fmax=120.0)),
+        (fp, _result(fp.name, "ice40", 3000, 100, 8, unplaced="does not fit UP5K: ICESTORM_LC 6402/5280")),
+    ]
+    rows = {(what, n, family): r for what, n, family, r in report.ratio_rows(results)}
+    assert rows[("l1_layernorm / int_layernorm", 64, "xc7")] == {"lut": "0.70", "ff": "0.62", "dsp": "0.50"}
+    assert rows[("l1_layernorm / int_layernorm", 64, "ecp5")] == {"lut": "0.75", "ff": "0.50", "dsp": "0.50"}
+    assert rows[("l1_layernorm / fp16_layernorm", 64, "xc7")] == {"lut": "0.17", "ff": "0.50", "dsp": "∞"}
+    assert len(rows) == 4  # no FP16 unit on ecp5: no ratio there
+    text = report.markdown(results, ("xc7", "ecp5", "ice40"))
+    assert "| l1_layernorm.int8.n64 | ecp5 | 90 | 50 | 1 | 0 | 150.0 | 68 | 150.0 |" in text
+    assert "| l1_layernorm.int8.n64 | xc7 | 70 | 50 | 1 | 0 | — | 68 | — |" in text
+    assert "| does not fit UP5K: ICESTORM_LC 6402/5280 |" in text
+    assert "- yosys: Yosys 0.70" in text
+
+
+def test_without_the_integer_units_the_report_says_there_is_no_ratio() -> None:
+    fp = _report_unit(report.FP16_OP, 64)
+    assert report.ratio_rows([(fp, _result(fp.name, "xc7", 400, 100, 0))]) == []
+    assert "not in this build" in report.ratio_table([])[0]
+
+
+def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(report, "QUICK_FAMILIES", ("ecp5",))
+    monkeypatch.setattr(report, "op_units", lambda quick, case_named: [_report_unit("square_sum", 8)])
+    monkeypatch.setattr(report, "fp16_units", lambda lengths: [])
+    out = tmp_path / "fpga" / "table.md"
+    assert main(["synth", "--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert re.search(r"\| square_sum\.int8\.n8 \| ecp5 \| [1-9]\d* \| \d+ \| 1 \| 0 \| \d+\.\d \| 12 \|", text)
+    assert "nextpnr-ecp5: nextpnr-0." in text
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_qnorm_synth_refuses_a_directory_as_its_output(tmp_path, capsys) -> None:
+    assert main(["synth", "--out", str(tmp_path)]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err

@@ -21,10 +21,7 @@ run here, so the II each loop achieves is Vitis' report to read, not a claim.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from compilers.fpga.csource import TopSpec
+from collections.abc import Mapping
 
 # TVM's C loops: ``for (int32_t ax0 = 0; ax0 < 64; ++ax0) {`` (int64_t counters start at ``(int64_t)0``).
 _FOR = re.compile(r"^(\s*)for \((?:int32_t|int64_t) (\w+) = (?:\(int64_t\))?0; \2 < (?:\(int64_t\))?(\d+); \+\+\2\) \{$")
@@ -38,21 +35,20 @@ class PragmaError(RuntimeError):
     """The kernel's C has no loop the pipelining directive can be placed on."""
 
 
-def interface_pragmas(spec: TopSpec) -> list[str]:
-    """The directives at the top of ``qnorm_top``'s body."""
-    depth = spec.block_elements
+def interface_pragmas(x: str, y: str, depth: int, time_major: bool, consts: Mapping[str, int]) -> list[str]:
+    """The directives at the top of ``qnorm_top``'s body: ports ``x`` and ``y`` of ``depth``
+    elements, ``steps`` when ``time_major``; ``consts``: each constant's C name -> its
+    number of axes."""
     lines = [
-        f"#pragma HLS INTERFACE mode=m_axi port={spec.x.name} offset=slave bundle=gmem_in depth={depth}",
-        f"#pragma HLS INTERFACE mode=m_axi port={spec.y.name} offset=slave bundle=gmem_out depth={depth}",
-        f"#pragma HLS INTERFACE mode=s_axilite port={spec.x.name} bundle=control",
-        f"#pragma HLS INTERFACE mode=s_axilite port={spec.y.name} bundle=control",
-        *(["#pragma HLS INTERFACE mode=s_axilite port=steps bundle=control"] if spec.time_major else []),
+        f"#pragma HLS INTERFACE mode=m_axi port={x} offset=slave bundle=gmem_in depth={depth}",
+        f"#pragma HLS INTERFACE mode=m_axi port={y} offset=slave bundle=gmem_out depth={depth}",
+        f"#pragma HLS INTERFACE mode=s_axilite port={x} bundle=control",
+        f"#pragma HLS INTERFACE mode=s_axilite port={y} bundle=control",
+        *(["#pragma HLS INTERFACE mode=s_axilite port=steps bundle=control"] if time_major else []),
         "#pragma HLS INTERFACE mode=s_axilite port=return bundle=control",
     ]
     lines += [
-        f"#pragma HLS ARRAY_PARTITION variable={c.identifier} type=complete dim=1"
-        for c in spec.consts
-        if c.values.ndim == 2
+        f"#pragma HLS ARRAY_PARTITION variable={name} type=complete dim=1" for name, axes in consts.items() if axes == 2
     ]
     return ["  " + line for line in lines]
 

@@ -42,8 +42,9 @@ from amaranth.back import rtlil
 from amaranth.hdl import Elaboratable
 
 from compilers import cache
+from qnorm.errors import QnormError
 
-_KEY_FORMAT = 1  # bump when the key recipe or the entry layout changes
+_KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
 RESULT = "result.json"
 TOP = "top"  # the module name every unit is synthesized under
 YOSYS_TIMEOUT_S = 900  # a 768-wide unit's synth_xilinx takes minutes on a shared core
@@ -52,8 +53,9 @@ LOG_TAIL_LINES = 25
 PNR_SEED = 1  # nextpnr's placer is deterministic for a fixed seed
 
 
-class SynthError(RuntimeError):
-    """A synthesis or place-and-route tool failed, timed out, or wrote no usable result."""
+class SynthError(QnormError, RuntimeError):
+    """A synthesis or place-and-route tool failed, timed out, or wrote no usable result
+    (``qnorm synth`` prints it as one message)."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,15 @@ class Resources:
 @dataclass(frozen=True)
 class SynthResult:
     """One unit synthesized for one family: its resources and, after place and route,
-    the achieved Fmax of its clock (None on xc7/xcup, or when the design has no
-    register-to-register path for the timing analysis to measure)."""
+    the achieved Fmax of its clock (None on xc7/xcup, when the design has no
+    register-to-register path for the timing analysis to measure, or when it does not
+    fit the device: ``unplaced`` then says which resources it exceeds)."""
 
     unit: str
     family: str
     resources: Resources
     fmax_mhz: float | None
+    unplaced: str | None  # why place and route gave no Fmax: the device's resources it exceeds
     tools: Mapping[str, str]  # tool -> version, as the tools report themselves
     key: str  # the cache key: the digest of RTLIL, tool versions and flags
     cache_hit: bool
@@ -172,20 +176,28 @@ def _tool_path(tool: str) -> str:
     return found
 
 
-def _run(tool: str, args: Sequence[str], family: str, cwd: Path, timeout_s: float) -> str:
-    """Run a YoWASP tool; its combined output, or :class:`SynthError` with its log's tail."""
+def _invoke(tool: str, args: Sequence[str], family: str, cwd: Path, timeout_s: float) -> tuple[int, str]:
+    """Run a YoWASP tool: its exit status and combined output; :class:`SynthError`
+    with its log's tail when it does not finish in time."""
     command = [_tool_path(tool), *args]
     try:
-        done = subprocess.run(
-            command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as err:
         raise SynthError(
             f"{tool} ({family}) did not finish in {timeout_s:.0f} s{_tail(_text(err.stdout) + _text(err.stderr))}"
         ) from None
-    log = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise SynthError(f"{tool} ({family}) failed with exit status {done.returncode}{_tail(log)}")
+    return done.returncode, done.stdout + done.stderr
+
+
+def _failed(tool: str, family: str, status: int, log: str) -> SynthError:
+    return SynthError(f"{tool} ({family}) failed with exit status {status}{_tail(log)}")
+
+
+def _run(tool: str, args: Sequence[str], family: str, cwd: Path, timeout_s: float) -> str:
+    """Run a YoWASP tool; its combined output, or :class:`SynthError` with its log's tail."""
+    status, log = _invoke(tool, args, family, cwd, timeout_s)
+    if status != 0:
+        raise _failed(tool, family, status, log)
     return log
 
 
@@ -259,7 +271,12 @@ def synthesize(
     """Synthesize ``unit`` (called ``name`` in reports) for ``family`` (a key of
     :data:`FAMILIES`), placing and routing it where the family has a flow; a
     cached result when the same RTLIL went through the same tools and flags."""
-    text = to_rtlil(unit, ports)  # first: an unconverted unit warns that it was never used
+    return synthesize_rtlil(to_rtlil(unit, ports), name, family)
+
+
+def synthesize_rtlil(text: str, name: str, family: str) -> SynthResult:
+    """:func:`synthesize` for a unit already converted by :func:`to_rtlil` (a report
+    converts each unit once for all its families)."""
     try:
         fam = FAMILIES[family]
     except KeyError:
@@ -274,6 +291,7 @@ def synthesize(
         family=fam.name,
         resources=Resources(**record["resources"]),
         fmax_mhz=record["fmax_mhz"],
+        unplaced=record["unplaced"],
         tools=record["tools"],
         key=key,
         cache_hit=entry.hit,
@@ -287,8 +305,8 @@ def _build(text: str, name: str, fam: Family, tools: Mapping[str, str], key: str
         work = Path(tmp)
         (work / "unit.il").write_text(text)
         resources = _synthesize_cells(fam, work)
-        fmax = _place_and_route(fam, work) if fam.pnr else None
-    result = SynthResult(name, fam.name, resources, fmax, dict(tools), key, cache_hit=False, seconds=0.0)
+        fmax, unplaced = _place_and_route(fam, work) if fam.pnr else (None, None)
+    result = SynthResult(name, fam.name, resources, fmax, unplaced, dict(tools), key, cache_hit=False, seconds=0.0)
     (directory / RESULT).write_text(json.dumps(result.to_json(), indent=1, sort_keys=True) + "\n")
 
 
@@ -314,20 +332,36 @@ def count_resources(fam: Family, cells: Mapping[str, int]) -> Resources:
     )
 
 
-def _place_and_route(fam: Family, work: Path) -> float | None:
-    """nextpnr on the synthesized netlist; the achieved Fmax of the unit's clock in MHz,
-    None when the design has no register-to-register path to time."""
+_UTILISATION = re.compile(r"^Info:\s+(\w+):\s+(\d+)/\s*(\d+)\s+\d+%$", re.MULTILINE)
+
+
+def overused(log: str) -> list[str]:
+    """The resources nextpnr's utilisation table shows beyond the device's, as
+    ``"ICESTORM_LC 6402/5280"``."""
+    return [f"{name} {used}/{total}" for name, used, total in _UTILISATION.findall(log) if int(used) > int(total)]
+
+
+def _place_and_route(fam: Family, work: Path) -> tuple[float | None, str | None]:
+    """nextpnr on the synthesized netlist: the achieved Fmax of the unit's clock in MHz
+    (None when the design has no register-to-register path to time, or does not fit),
+    and why there is none when the design does not fit the device."""
     tool, *device = fam.pnr
-    args = [*device, "--json", "netlist.json", "--report", "report.json",
-            "--freq", str(fam.pnr_freq_mhz), "--seed", str(PNR_SEED)]  # fmt: skip
-    _run(tool, args, fam.name, work, PNR_TIMEOUT_S)
+    # --timing-allow-fail: a clock below the constraint is a measurement, not a failure.
+    args = [*device, "--json", "netlist.json", "--report", "report.json", "--freq", str(fam.pnr_freq_mhz),
+            "--timing-allow-fail", "--seed", str(PNR_SEED)]  # fmt: skip
+    status, log = _invoke(tool, args, fam.name, work, PNR_TIMEOUT_S)
+    if status != 0:
+        over = overused(log)
+        if over and "no BELs remaining" in log:  # a unit too large for the device: a result, not a failure
+            return None, f"does not fit {fam.part}: {', '.join(over)}"
+        raise _failed(tool, fam.name, status, log)
     try:
         clocks = json.loads((work / "report.json").read_text())["fmax"]
     except (OSError, ValueError, KeyError) as err:
         raise SynthError(f"{tool} ({fam.name}) wrote no usable --report ({err})") from None
     if not clocks:
-        return None
+        return None, None
     if len(clocks) != 1:
         raise SynthError(f"{tool} ({fam.name}) timed {len(clocks)} clocks ({', '.join(clocks)}); a unit has one")
     (timing,) = clocks.values()
-    return round(float(timing["achieved"]), 2)
+    return round(float(timing["achieved"]), 2), None
