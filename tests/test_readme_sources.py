@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from readme_script import load_readme_tables
 
+from compilers.rtl.report import report_paths
 from qnorm.demo import (
     DEPLOY_MODELS,
     DeployRow,
@@ -68,6 +69,7 @@ def gpu_check_outputs() -> list[Path]:
 WRITTEN: dict[str, list[Path]] = {
     "make demo": demo_outputs(make_out("demo")),
     "make bench": [make_out("bench")],
+    "make fpga-report": report_paths(make_out("fpga-report")),
     "qnorm train": training_outputs(TRAIN_OUT, resolve_kinds(None, list(FAMILIES))),
     "scripts/gpu_check.sh": gpu_check_outputs(),
 }

@@ -259,6 +259,11 @@ def plot(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequence[s
     plt.close(fig)
 
 
+def report_paths(out: Path) -> list[Path]:
+    """What :func:`write_report` writes for ``out``: the markdown and the PNG beside it."""
+    return [out, out.with_suffix(".png")]
+
+
 def write_report(
     out: Path,
     case_named: Callable[[str], Any],
@@ -270,8 +275,8 @@ def write_report(
     families = QUICK_FAMILIES if quick else tuple(FAMILIES)
     units = [*op_units(quick, case_named), *fp16_units(QUICK_ROW_LENGTHS if quick else ROW_LENGTHS)]
     results = synthesize_all(units, families, progress)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(results, families))
-    png = out.with_suffix(".png")
+    table, png = report_paths(out)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(markdown(results, families))
     plot(results, families, png)
-    return [out, png]
+    return [table, png]
