@@ -7,14 +7,15 @@ ready), rows of ``n`` elements back to back, a stream of fp16 results out (``o``
 Arithmetic (:mod:`compilers.rtl.fparith`: IEEE round to nearest even, subnormals
 flushed to zero, no infinities or NaNs):
 
-1. **Load** (one element per clock): the element is kept in a row buffer (block RAM)
-   and widened to fp32; ``S += x`` and ``Q += x·x`` in fp32.
+1. **Load** (one element per clock): the element is kept in a row buffer (block RAM),
+   widened to fp32 and squared; the next clock ``S += x`` and ``Q += x·x`` in fp32.
 2. **Per row** (:data:`PROGRAM`, one fp32 multiply or add per clock on the same two
    units): ``μ = S/n``, ``σ² = max(Q/n − μ², 0)``, ``v = σ² + ε``; ``r = 1/√v`` from a
    table seed (the exponent's parity and :data:`SEED_BITS` mantissa bits; relative
    error ≤ 2^-8) and :data:`NEWTON_STEPS` Newton steps ``r ← r·(1.5 − (v/2)·r²)``.
-3. **Out** (one element per clock): ``z = (x − μ)·r`` in fp32, rounded to fp16, then
-   ``y = z·γ_c + β_c`` in fp16 (γ, β: per-channel fp16 ROMs).
+3. **Out** (one element per clock, one operation per pipeline stage): ``z = (x − μ)·r``
+   in fp32, rounded to fp16, then ``y = z·γ_c + β_c`` in fp16 (γ, β: per-channel fp16
+   ROMs).
 
 Error against LayerNorm computed exactly on the same fp16 inputs and fp16 γ, β
 (:func:`error_bound`): with u = 2^-11 (fp16's unit roundoff), three fp16 roundings
@@ -23,11 +24,13 @@ Error against LayerNorm computed exactly on the same fp16 inputs and fp16 γ, β
 while ``|μ| ≤ 16σ`` (the one-pass ``Q/n − μ²`` loses ~2^-24·(μ/σ)² of σ² to
 cancellation beyond that, as every one-pass variance does).
 
-Simplifications, stated: the unit is not pipelined (each phase's arithmetic is one
-combinational path, so its Fmax is low) and loads, computes and emits one row at a
-time, so a row takes :meth:`FP16LayerNorm.cycles_per_row` = ``2n + len(PROGRAM) + 2``
-clocks, not ``n``: its resources are those of one set of fp units and one row buffer,
-less than a line-rate unit would need (the comparison is conservative in FP16's favour).
+Simplifications, stated: the unit loads, computes and emits one row at a time, so a
+row takes :meth:`FP16LayerNorm.cycles_per_row` = ``2n + len(PROGRAM) + 6`` clocks, not
+``n``; it holds one set of fp units and one row buffer, less than a line-rate unit
+would need (the resource comparison is conservative in FP16's favour).  The load's
+multiply and the output chain are pipelined (:data:`OUT_STAGES`), but each fp32 sum is
+one adder in a one-clock loop and each per-row step one fp32 operation per clock, so a
+whole fp32 add bounds the clock.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from amaranth.lib.wiring import In, Out
 
 from compilers.rtl.fparith import FP16, FP32, FloatAdd, FloatConvert, FloatMul
 
+OUT_STAGES = 4  # registers from the row buffer's read to o: x − μ, ·r, ·γ, +β
 SEED_BITS = 6  # mantissa bits indexing the 1/sqrt seed table
 NEWTON_STEPS = 2  # 2^-8 → ~2^-15 → fp32 rounding
 UNIT_ROUNDOFF = 2.0**-11  # fp16
@@ -107,9 +111,10 @@ class FP16LayerNorm(wiring.Component):
     @property
     def cycles_per_row(self) -> int:
         """Clocks from one row's first result out to the next row's, rows arriving back to
-        back and ``o.ready`` held high: n to load, the per-row program, n + 2 to emit
-        (one clock to read the row buffer, one to register the first result)."""
-        return 2 * self.n + len(PROGRAM) + 2
+        back and ``o.ready`` held high: n to load and one to sum the last element, the
+        per-row program, n + 1 + :data:`OUT_STAGES` to emit (one clock to read the row
+        buffer, then the output pipeline)."""
+        return 2 * self.n + len(PROGRAM) + 2 + OUT_STAGES
 
     def elaborate(self, platform: object) -> Module:
         m = Module()
@@ -131,9 +136,17 @@ class FP16LayerNorm(wiring.Component):
         regs = {name: Signal(32, name=f"r_{name}") for name in _REGISTERS}
         index = Signal(range(n + 1))
 
+        # The load's pipeline register: an element widened and squared, summed next clock.
+        loaded = {"x": Signal(32), "x2": Signal(32), "valid": Signal()}
+
         with m.FSM():
             with m.State("LOAD"):
-                self._load(m, write, widen, mul, add, add_q, regs, index)
+                self._load(m, write, widen, mul, loaded, index)
+                self._accumulate(m, add, add_q, regs, loaded)
+            with m.State("DRAIN"):  # the row's last element into S and Q
+                self._accumulate(m, add, add_q, regs, loaded)
+                m.d.sync += loaded["valid"].eq(0)
+                m.next = "STEP0"
             for step, (op, dst, a, b) in enumerate(PROGRAM):
                 with m.State(f"STEP{step}"):
                     self._step(m, op, regs, dst, a, b, mul, add)
@@ -144,8 +157,9 @@ class FP16LayerNorm(wiring.Component):
                 self._emit(m, reads, widen, mul, add, narrow, mul16, add16, regs, index)
         return m
 
-    def _load(self, m: Module, write, widen, mul, add, add_q, regs: dict, index: Signal) -> None:
-        """Accept one element per clock: into the row buffer, into S and Q."""
+    def _load(self, m: Module, write, widen, mul, loaded: dict, index: Signal) -> None:
+        """Accept one element per clock: into the row buffer, widened and squared into
+        the load's pipeline register."""
         m.d.comb += [
             self.i.ready.eq(1),
             write.addr.eq(index),
@@ -154,15 +168,18 @@ class FP16LayerNorm(wiring.Component):
             widen.a.eq(self.i.payload),
             mul.a.eq(widen.o),
             mul.b.eq(widen.o),
-            add.a.eq(regs["S"]),
-            add.b.eq(widen.o),
-            add_q.a.eq(regs["Q"]),
-            add_q.b.eq(mul.o),
         ]
+        m.d.sync += [loaded["x"].eq(widen.o), loaded["x2"].eq(mul.o), loaded["valid"].eq(self.i.valid)]
         with m.If(self.i.valid):
-            m.d.sync += [regs["S"].eq(add.o), regs["Q"].eq(add_q.o), index.eq(index + 1)]
+            m.d.sync += index.eq(index + 1)
             with m.If(index == self.n - 1):
-                m.next = "STEP0"
+                m.next = "DRAIN"
+
+    def _accumulate(self, m: Module, add, add_q, regs: dict, loaded: dict) -> None:
+        """``S += x``, ``Q += x·x`` for the element in the load's pipeline register."""
+        m.d.comb += [add.a.eq(regs["S"]), add.b.eq(loaded["x"]), add_q.a.eq(regs["Q"]), add_q.b.eq(loaded["x2"])]
+        with m.If(loaded["valid"]):
+            m.d.sync += [regs["S"].eq(add.o), regs["Q"].eq(add_q.o)]
 
     def _step(self, m: Module, op: str, regs: dict, dst: str, a: str, b: str, mul, add) -> None:
         """One step of :data:`PROGRAM` on the shared fp32 multiplier or adder."""
@@ -197,13 +214,17 @@ class FP16LayerNorm(wiring.Component):
         return seed
 
     def _emit(self, m: Module, reads, widen, mul, add, narrow, mul16, add16, regs: dict, index: Signal) -> None:
-        """Emit one element per clock that ``o`` accepts.
+        """Emit one element per clock that ``o`` accepts, through a pipeline of
+        :data:`OUT_STAGES` registers that all advance when ``o`` can take a result.
 
         The row buffer and the γ, β ROMs are read one clock ahead; ``pending`` says the
         read ports hold the next element's data.  ``index`` counts the reads issued."""
         x_read, gamma_read, beta_read = reads
         pending = Signal()
         emitted = Signal(range(self.n + 1))
+        centred = {"d": Signal(32), "gamma": Signal(16), "beta": Signal(16), "valid": Signal()}
+        scaled = {"z": Signal(32), "gamma": Signal(16), "beta": Signal(16), "valid": Signal()}
+        weighted = {"p": Signal(16), "beta": Signal(16), "valid": Signal()}
         advance = ~self.o.valid | self.o.ready
         m.d.comb += [
             *(r.addr.eq(index) for r in reads),
@@ -212,22 +233,38 @@ class FP16LayerNorm(wiring.Component):
             add.a.eq(widen.o),
             add.b.eq(regs["mean"]),
             add.sub_b.eq(1),
-            mul.a.eq(add.o),
+            mul.a.eq(centred["d"]),
             mul.b.eq(regs["r"]),
-            narrow.a.eq(mul.o),
+            narrow.a.eq(scaled["z"]),
             mul16.a.eq(narrow.o),
-            mul16.b.eq(gamma_read.data),
-            add16.a.eq(mul16.o),
-            add16.b.eq(beta_read.data),
+            mul16.b.eq(scaled["gamma"]),
+            add16.a.eq(weighted["p"]),
+            add16.b.eq(weighted["beta"]),
         ]
+        last_taken = self.o.valid & self.o.ready & (emitted == self.n - 1)
         with m.If(self.o.valid & self.o.ready):
             m.d.sync += emitted.eq(emitted + 1)
-            with m.If(emitted == self.n - 1):  # the row's last element is taken
-                m.d.sync += [emitted.eq(0), pending.eq(0), index.eq(0), regs["S"].eq(0), regs["Q"].eq(0)]
-                m.d.sync += self.o.valid.eq(0)
-                m.next = "LOAD"
-        with m.If(advance & ~((self.o.valid & self.o.ready) & (emitted == self.n - 1))):
-            m.d.sync += [self.o.valid.eq(pending), self.o.payload.eq(add16.o), pending.eq(index < self.n)]
+        with m.If(last_taken):  # the row's last element is taken; the pipeline is empty
+            m.d.sync += [emitted.eq(0), pending.eq(0), index.eq(0), regs["S"].eq(0), regs["Q"].eq(0)]
+            m.d.sync += self.o.valid.eq(0)
+            m.next = "LOAD"
+        with m.Elif(advance):
+            m.d.sync += [
+                centred["d"].eq(add.o),
+                centred["gamma"].eq(gamma_read.data),
+                centred["beta"].eq(beta_read.data),
+                centred["valid"].eq(pending),
+                scaled["z"].eq(mul.o),
+                scaled["gamma"].eq(centred["gamma"]),
+                scaled["beta"].eq(centred["beta"]),
+                scaled["valid"].eq(centred["valid"]),
+                weighted["p"].eq(mul16.o),
+                weighted["beta"].eq(scaled["beta"]),
+                weighted["valid"].eq(scaled["valid"]),
+                self.o.payload.eq(add16.o),
+                self.o.valid.eq(weighted["valid"]),
+                pending.eq(index < self.n),
+            ]
             with m.If(index < self.n):
                 m.d.sync += index.eq(index + 1)
 
