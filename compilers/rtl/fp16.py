@@ -20,9 +20,10 @@ flushed to zero, no infinities or NaNs):
 Error against LayerNorm computed exactly on the same fp16 inputs and fp16 γ, β
 (:func:`error_bound`): with u = 2^-11 (fp16's unit roundoff), three fp16 roundings
 (z, the product, the sum) and the reference's own rounding of y give
-``|y − y_ref| ≤ 2u·(|γ·z| + |y|)`` plus the fp32 part, which is below 2^-20·|γ·z|
-while ``|μ| ≤ 16σ`` (the one-pass ``Q/n − μ²`` loses ~2^-24·(μ/σ)² of σ² to
-cancellation beyond that, as every one-pass variance does).
+``|y − y_ref| ≤ (1 + 4u)·2u·(|γ·z| + |y|)``; the fp32 part adds at most ``|γ|·e_z``,
+``e_z = (n + 8)·2^-24·(|z|·(σ² + μ²)/(σ² + ε) + max|x|/√(σ² + ε))`` (recursive fp32
+sums of x and x², then a few per-row operations): small while |μ| is a few σ, growing
+with (μ/σ)² as every one-pass ``Q/n − μ²`` variance does.
 
 Simplifications, stated: the unit loads, computes and emits one row at a time, so a
 row takes :meth:`FP16LayerNorm.cycles_per_row` = ``2n + len(PROGRAM) + 6`` clocks, not
@@ -281,10 +282,18 @@ def reference(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1
 
 
 def error_bound(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-5) -> np.ndarray:
-    """The bound the module docstring derives, elementwise: ``2u·(|γ·z| + |y|) + 2^-20·|γ·z|``
-    (and one fp16 subnormal step, where results are flushed to zero)."""
+    """The bound the module docstring derives, elementwise, for rows ``x`` of n:
+    ``(1 + 4u)·2u·(|γz| + |y|) + |γ|·e_z + 2·tiny``, where the fp32 part
+    ``e_z = (n + 8)·2^-24·(|z|·(σ² + μ²)/(σ² + ε) + max|x|/√(σ² + ε))`` bounds what
+    recursive fp32 sums of x and x² and the per-row steps can do to z, and tiny (the
+    smallest fp16 normal) covers a flushed subnormal."""
     x64 = np.asarray(x, dtype=np.float16).astype(np.float64)
-    z = (x64 - x64.mean(axis=-1, keepdims=True)) / np.sqrt(x64.var(axis=-1, keepdims=True) + eps)
-    gz = np.abs(z * np.asarray(gamma, np.float16).astype(np.float64))
+    n = x64.shape[-1]
+    mean, var = x64.mean(axis=-1, keepdims=True), x64.var(axis=-1, keepdims=True)
+    z = (x64 - mean) / np.sqrt(var + eps)
+    g = np.abs(np.asarray(gamma, np.float16).astype(np.float64))
     y = np.abs(reference(x, gamma, beta, eps).astype(np.float64))
-    return 2 * UNIT_ROUNDOFF * (gz + y) + 2.0**-20 * gz + float(np.finfo(np.float16).tiny)
+    largest = np.abs(x64).max(axis=-1, keepdims=True)
+    e_z = (n + 8) * 2.0**-24 * (np.abs(z) * (var + mean**2) / (var + eps) + largest / np.sqrt(var + eps))
+    u = UNIT_ROUNDOFF
+    return (1 + 4 * u) * 2 * u * (g * np.abs(z) + y) + g * e_z + 2 * float(np.finfo(np.float16).tiny)
