@@ -116,6 +116,15 @@ def test_a_unit_too_large_for_the_device_is_a_result_naming_what_it_exceeds(tmp_
         synth._place_and_route(FAMILIES["ice40"], tmp_path)
 
 
+def test_the_unit_clock_is_the_one_not_made_of_a_constant_net() -> None:
+    # nextpnr-ice40's report for a unit with ROMs: their write clock is tied low.
+    clocks = {"$PACKER_GND_NET_$glb_clk": {"achieved": 900.0}, "clk$SB_IO_IN_$glb_clk": {"achieved": 41.234}}
+    assert synth.unit_fmax(clocks, "nextpnr-ice40 (ice40)") == 41.23
+    assert synth.unit_fmax({}, "nextpnr-ice40 (ice40)") is None
+    with pytest.raises(SynthError, match=r"nextpnr-ecp5 \(ecp5\) timed 2 clocks \(a, b\)"):
+        synth.unit_fmax({"a": {"achieved": 1.0}, "b": {"achieved": 2.0}}, "nextpnr-ecp5 (ecp5)")
+
+
 def test_an_unknown_family_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown FPGA family 'xc9'.*xc7, xcup, ecp5, ice40"):
         synthesize(SquareSum(), "square_sum", "xc9")

@@ -359,9 +359,17 @@ def _place_and_route(fam: Family, work: Path) -> tuple[float | None, str | None]
         clocks = json.loads((work / "report.json").read_text())["fmax"]
     except (OSError, ValueError, KeyError) as err:
         raise SynthError(f"{tool} ({fam.name}) wrote no usable --report ({err})") from None
-    if not clocks:
-        return None, None
-    if len(clocks) != 1:
-        raise SynthError(f"{tool} ({fam.name}) timed {len(clocks)} clocks ({', '.join(clocks)}); a unit has one")
-    (timing,) = clocks.values()
-    return round(float(timing["achieved"]), 2), None
+    return unit_fmax(clocks, f"{tool} ({fam.name})"), None
+
+
+def unit_fmax(clocks: Mapping[str, Mapping[str, float]], tool: str) -> float | None:
+    """The achieved MHz of the unit's one clock in nextpnr's ``fmax`` report (None when
+    no register-to-register path was timed).  Nets the packer made of constants (an
+    iCE40 ROM's unused write clock tied low: ``$PACKER_GND_NET``) are not clocks."""
+    real = {name: timing for name, timing in clocks.items() if not name.startswith("$PACKER_")}
+    if not real:
+        return None
+    if len(real) != 1:
+        raise SynthError(f"{tool} timed {len(real)} clocks ({', '.join(real)}); a unit has one")
+    (timing,) = real.values()
+    return round(float(timing["achieved"]), 2)
