@@ -22,7 +22,13 @@ import numpy as np
 from amaranth.hdl import Elaboratable
 
 from compilers.rtl.fp16 import FP16LayerNorm
-from compilers.rtl.synth import FAMILIES, SynthResult, synthesize_rtlil, to_rtlil
+from compilers.rtl.synth import (
+    FAMILIES,
+    PNR_FLAGS,
+    SynthResult,
+    synthesize_rtlil,
+    to_rtlil,
+)
 
 # The integer ops' configurations, as verify cases; "@768" is the case with rows of 768.
 OP_CASES: tuple[str, ...] = (
@@ -199,7 +205,7 @@ def family_lines(families: Sequence[str]) -> list[str]:
         fam = FAMILIES[name]
         flow = f"`{fam.synth.split(' -json')[0]}`"
         if fam.pnr:
-            flow += f", then `{' '.join(fam.pnr)} --freq {fam.pnr_freq_mhz}`"
+            flow += f", then `{' '.join(fam.pnr)} --freq {fam.pnr_freq_mhz} {' '.join(PNR_FLAGS)}`"
         lines.append(f"- {name}: {fam.part}; {flow}; BRAM in {fam.bram_unit}")
     return lines
 

@@ -51,6 +51,8 @@ YOSYS_TIMEOUT_S = 900  # a 768-wide unit's synth_xilinx takes minutes on a share
 PNR_TIMEOUT_S = 900
 LOG_TAIL_LINES = 25
 PNR_SEED = 1  # nextpnr's placer is deterministic for a fixed seed
+# A clock below the constraint is a measurement, not a failure.
+PNR_FLAGS = ("--timing-allow-fail", "--seed", str(PNR_SEED))
 
 
 class SynthError(QnormError, RuntimeError):
@@ -257,7 +259,7 @@ def to_rtlil(unit: Elaboratable, ports: Sequence | None = None) -> str:
 
 def cache_key(rtlil_text: str, family: Family, tools: Mapping[str, str]) -> str:
     h = hashlib.sha256()
-    recipe = (_KEY_FORMAT, family.synth, family.pnr, family.pnr_freq_mhz, PNR_SEED, sorted(tools.items()))
+    recipe = (_KEY_FORMAT, family.synth, family.pnr, family.pnr_freq_mhz, PNR_FLAGS, sorted(tools.items()))
     h.update(repr(recipe).encode() + b"\0" + rtlil_text.encode())
     return h.hexdigest()
 
@@ -346,9 +348,7 @@ def _place_and_route(fam: Family, work: Path) -> tuple[float | None, str | None]
     (None when the design has no register-to-register path to time, or does not fit),
     and why there is none when the design does not fit the device."""
     tool, *device = fam.pnr
-    # --timing-allow-fail: a clock below the constraint is a measurement, not a failure.
-    args = [*device, "--json", "netlist.json", "--report", "report.json", "--freq", str(fam.pnr_freq_mhz),
-            "--timing-allow-fail", "--seed", str(PNR_SEED)]  # fmt: skip
+    args = [*device, "--json", "netlist.json", "--report", "report.json", "--freq", str(fam.pnr_freq_mhz), *PNR_FLAGS]
     status, log = _invoke(tool, args, fam.name, work, PNR_TIMEOUT_S)
     if status != 0:
         over = overused(log)
