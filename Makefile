@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv toolchains demo test test-slow verify-strict bench clean
+.PHONY: venv toolchains demo test test-slow verify-strict bench fpga-report clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,12 @@ verify-strict: $(STAMP) toolchains
 # per-round ratios), written to out/bench.md: kernels (P1, P2), QAT step, compile (P4).
 bench: $(STAMP)
 	$(VPY) -m benchmarks --out out/bench.md
+
+# Every RTL unit through yosys (xc7, xcup, ecp5, ice40) and nextpnr (ecp5, ice40):
+# out/fpga.md (LUT / FF / DSP / BRAM, Fmax, throughput, the P5 ratios, tool versions)
+# and out/fpga.png. Results are cached per unit, tool version and flags.
+fpga-report: $(STAMP)
+	$(VPY) -m qnorm.cli synth --out out/fpga.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from qnorm.cli_args import output_dir, positive_int
+from qnorm.cli_args import output_dir, output_file, positive_int
 from qnorm.errors import DeployError, QnormError, UsageError
 from qnorm.extras import hint_for
 
@@ -229,6 +229,33 @@ def _golden(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+# --------------------------------------------------------------------------- synth
+
+
+def _synth(args: argparse.Namespace) -> int:
+    """``qnorm synth``: the logic is in compilers.rtl.report."""
+    from compilers.rtl.report import write_report  # a missing amaranth: main names the extra
+    from qnorm.verify.cases import case_named
+
+    for path in write_report(args.out, case_named, quick=args.quick, progress=_note):
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_synth_parser(sub: Any) -> None:
+    synth = sub.add_parser(
+        "synth",
+        help="synthesize every RTL unit for xc7, xcup, ecp5 and ice40 (place and route where open tools "
+             "exist); write the resource / Fmax table and a PNG",
+    )  # fmt: skip
+    synth.add_argument(
+        "--out", type=output_file, default=Path("out/fpga.md"),
+        help="the markdown table to write; the PNG goes beside it (default: out/fpga.md)",
+    )  # fmt: skip
+    synth.add_argument("--quick", action="store_true", help="rows of 64 only, and no xcup (the slowest flow)")
+    synth.set_defaults(func=_synth)
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -251,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     add_train_parser(sub)
     _add_verify_parser(sub)
+    _add_synth_parser(sub)
 
     compile_ = sub.add_parser(
         "compile",

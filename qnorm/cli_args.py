@@ -28,3 +28,12 @@ def output_dir(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
     return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write: it may exist (it is replaced) or not yet (its directory is
+    created), but it must not be a directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    return path

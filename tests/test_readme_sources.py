@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from readme_script import load_readme_tables
 
-from qnorm.report_activation import ActivationRow
+from compilers.rtl.report import report_paths
 from qnorm.demo import (
     DEPLOY_MODELS,
     DeployRow,
@@ -25,6 +25,7 @@ from qnorm.demo import (
 )
 from qnorm.metrics import ErrorStats
 from qnorm.report import BIT_WIDTHS, ROW_LENGTHS, CaseResult
+from qnorm.report_activation import ActivationRow
 from qnorm.report_softmax import ROW_LENGTHS as SOFTMAX_ROW_LENGTHS
 from qnorm.report_softmax import SoftmaxResult
 from qnorm.train.cli import DEFAULT_OUT as TRAIN_OUT
@@ -71,6 +72,7 @@ def gpu_check_outputs() -> list[Path]:
 WRITTEN: dict[str, list[Path]] = {
     "make demo": demo_outputs(make_out("demo")),
     "make bench": [make_out("bench")],
+    "make fpga-report": report_paths(make_out("fpga-report")),
     "qnorm train": training_outputs(TRAIN_OUT, resolve_kinds(None, list(FAMILIES))),
     "scripts/gpu_check.sh": gpu_check_outputs(),
 }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compilers.fpga.pragmas import interface_pragmas
 from qnorm.analysis import Interval
 
 KERNEL_C = "kernel.c"
@@ -225,6 +226,13 @@ def top_source(spec: TopSpec) -> str:
             "}",
             "",
             f"{top_signature(spec)} {{",
+            *interface_pragmas(
+                spec.x.name,
+                spec.y.name,
+                spec.block_elements,
+                spec.time_major,
+                {c.identifier: c.values.ndim for c in spec.consts},
+            ),
             *guard,
             "  DLTensor tensors[NUM_ARGS];",
             *body,
@@ -306,6 +314,11 @@ def readme(spec: TopSpec, part: str, clock_period_ns: int, cc: str, cflags: tupl
             "",
             f"Vitis HLS (part {part}, {clock_period_ns} ns clock):",
             f"  vitis_hls -f {TCL}",
+            "",
+            "Directives (#pragma HLS; gcc ignores them with -Wno-unknown-pragmas): the ports",
+            "are m_axi masters with s_axilite control, every element loop of the kernel is",
+            "PIPELINE II=1, a 2-D constant is partitioned along its first axis. Vitis has not",
+            "been run on this project: its report says which II each loop reaches.",
             "",
             "The kernel relies on two's-complement shifts of negative values (>> arithmetic,",
             "<< as multiplication), which gcc documents and Vitis HLS implements.",

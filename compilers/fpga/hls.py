@@ -9,7 +9,9 @@ declared widths cannot run it exactly, :func:`qnorm.analysis.check_target`):
   per-channel constants as ``static const`` arrays of the kernel's dtypes;
 * ``qnorm_tb.c`` + ``vectors.bin`` — the C testbench and the golden vectors
   (inputs and the golden op's outputs), compared bit for bit;
-* ``run_hls.tcl`` (Vitis HLS: csim, then synthesis) and ``README.txt``.
+* ``run_hls.tcl`` (Vitis HLS: csim, then synthesis) and ``README.txt``;
+* the ``#pragma HLS`` directives of :mod:`.pragmas` (interfaces, pipelining,
+  partitioning) in the top and the kernel.
 
 C simulation here is gcc on testbench + top + kernel (:mod:`.csim`).
 """
@@ -27,6 +29,7 @@ import tvm
 from compilers.fpga import csource
 from compilers.fpga.csource import Const, Port, TopSpec
 from compilers.fpga.kernel_c import HLS, HLSError, kernel_source
+from compilers.fpga.pragmas import pipeline_element_loops
 from compilers.fpga.vectors import as_units, from_units, write_vectors
 from compilers.tvm.kernels import Kernel, kernel_for
 from qnorm.analysis import check_target
@@ -143,7 +146,7 @@ def write_sources(
     kernel = kernel_for(op, HLS)
     spec = top_spec(op, kernel, rows, steps)
     files = {
-        csource.KERNEL_C: kernel_source(kernel),
+        csource.KERNEL_C: pipeline_element_loops(kernel_source(kernel), spec.width),
         csource.TOP_H: csource.top_header(spec),
         csource.TOP_C: csource.top_source(spec),
         csource.TCL: csource.tcl_script(spec, part, clock),

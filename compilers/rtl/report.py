@@ -1,0 +1,288 @@
+"""``qnorm synth`` / ``make fpga-report``: every RTL unit synthesized for every FPGA
+family, as ``out/fpga.md`` and ``out/fpga.png``.
+
+The units are the integer ops' RTL (``compilers.rtl.rtl_unit`` over
+:data:`OP_CASES`, int8 rows of 64 and 768 for the four norms, a multi-threshold
+and a folded LIF neuron) and the FP16 LayerNorm reference (:mod:`.fp16`) at the
+same row lengths.  The table gives, per unit × family, the post-synthesis LUT /
+FF / DSP / BRAM counts, the place-and-route Fmax (ECP5, iCE40), cycles per row and
+elements per second at Fmax; then the P5 ratios (L1 vs integer L2, each vs FP16:
+LUT, FF, DSP on xc7 and ecp5) and the versions of the tools that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from amaranth.hdl import Elaboratable
+
+from compilers.rtl.fp16 import FP16LayerNorm
+from compilers.rtl.synth import (
+    FAMILIES,
+    PNR_FLAGS,
+    SynthResult,
+    synthesize_rtlil,
+    to_rtlil,
+)
+
+# The integer ops' configurations, as verify cases; "@768" is the case with rows of 768.
+OP_CASES: tuple[str, ...] = (
+    "int_layernorm.int8.n64",
+    "l1_layernorm.int8.n64",
+    "shift_layernorm.int8.n64.m2",
+    "int_rmsnorm.int8.n64",
+    "int_layernorm.int8.n768",
+    "l1_layernorm.int8.n64@768",
+    "shift_layernorm.int8.n64.m2@768",
+    "int_rmsnorm.int8.n64@768",
+    "multithreshold.int8.c16.relu4",
+    "folded_lif.int8.c16.hard.ge.leak0875",
+)
+ROW_LENGTHS = (64, 768)  # of the FP16 reference units
+QUICK_ROW_LENGTHS = (64,)
+QUICK_FAMILIES = ("xc7", "ecp5", "ice40")  # --quick: the slower xcup flow and 768-wide rows left out
+RATIO_FAMILIES = ("xc7", "ecp5")
+RATIO_COUNTS = ("lut", "ff", "dsp")
+L1, L2, FP16_OP = "l1_layernorm", "int_layernorm", "fp16_layernorm"
+
+
+@dataclass(frozen=True)
+class ReportUnit:
+    """A unit of the report: what to synthesize and its throughput figures."""
+
+    op: str  # the op family: "l1_layernorm", "fp16_layernorm", ...
+    config: str  # the rest of its name: "int8.n64", "n768"
+    elaboratable: Elaboratable
+    cycles_per_row: int
+    elements_per_cycle: float  # sustained, o.ready held high
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}.{self.config}"
+
+    @property
+    def row_length(self) -> int | None:
+        """N of a norm's rows (the ``n<N>`` of its config), for pairing units in the ratios."""
+        for part in self.config.split("."):
+            if part.startswith("n") and part[1:].isdigit():
+                return int(part[1:])
+        return None
+
+
+def fp16_units(row_lengths: Iterable[int]) -> list[ReportUnit]:
+    """The FP16 LayerNorm at each row length; γ, β seeded (constant ones would fold away)."""
+    units = []
+    for n in row_lengths:
+        rng = np.random.default_rng(n)
+        unit = FP16LayerNorm(n, rng.uniform(0.5, 2.0, n), rng.normal(0.0, 0.2, n))
+        units.append(ReportUnit(FP16_OP, f"n{n}", unit, unit.cycles_per_row, n / unit.cycles_per_row))
+    return units
+
+
+def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
+    """The integer ops' RTL units of :data:`OP_CASES` (rows of 64 only with ``quick``);
+    ``case_named``: the verify catalogue's lookup (``qnorm.verify.cases.case_named``,
+    passed in by the command: the catalogue sits above the compilers).  None where
+    ``compilers.rtl`` has no ``rtl_unit`` (the FP16 units are then reported alone)."""
+    try:
+        from compilers.rtl import rtl_unit
+    except ImportError as err:
+        if err.name != "compilers.rtl":
+            raise  # compilers.rtl is there but broken: not a missing generator
+        return []
+    units = []
+    for spec in OP_CASES:
+        name, _, length = spec.partition("@")
+        if quick and length:
+            continue
+        case = case_named(name)
+        if length:
+            case = dataclasses.replace(
+                case, name=name.replace(f"n{case.config['n']}", f"n{length}"), config={**case.config, "n": int(length)}
+            )
+        unit = rtl_unit(case.build())
+        op, _, config = case.name.partition(".")
+        units.append(ReportUnit(op, config, unit.elaboratable, unit.cycles_per_row, unit.elements_per_cycle))
+    return units
+
+
+# --------------------------------------------------------------------------- running
+
+
+def synthesize_all(
+    units: Sequence[ReportUnit], families: Sequence[str], progress: Callable[[str], None] = lambda line: None
+) -> list[tuple[ReportUnit, SynthResult]]:
+    """Every unit on every family, in order; ``progress`` gets one line per result."""
+    results = []
+    for unit in units:
+        text = to_rtlil(unit.elaboratable)
+        for family in families:
+            result = synthesize_rtlil(text, unit.name, family)
+            state = "cache hit" if result.cache_hit else f"{result.seconds:.0f} s"
+            progress(f"{unit.name} on {family}: LUT {result.resources.lut}, FF {result.resources.ff} ({state})")
+            results.append((unit, result))
+    return results
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _fmax(result: SynthResult) -> str:
+    if not FAMILIES[result.family].pnr:
+        return "—"  # no open place and route
+    if result.unplaced is not None:
+        return result.unplaced
+    return "no reg-to-reg path" if result.fmax_mhz is None else f"{result.fmax_mhz:.1f}"
+
+
+def _rate(unit: ReportUnit, result: SynthResult) -> str:
+    if result.fmax_mhz is None:
+        return "—"
+    return f"{unit.elements_per_cycle * result.fmax_mhz:.1f}"
+
+
+def resource_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
+    lines = [
+        "| unit | family | LUT | FF | DSP | BRAM | Fmax (MHz) | cycles/row | Melem/s at Fmax |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for unit, r in results:
+        res = r.resources
+        lines.append(
+            f"| {unit.name} | {r.family} | {res.lut} | {res.ff} | {res.dsp} | {res.bram} | {_fmax(r)} "
+            f"| {unit.cycles_per_row} | {_rate(unit, r)} |"
+        )
+    return lines
+
+
+def _ratio(num: int, den: int) -> str:
+    if den == 0:
+        return "—" if num == 0 else "∞"  # 0/0: neither uses any
+    return f"{num / den:.2f}"
+
+
+def ratio_rows(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[tuple[str, int, str, dict[str, str]]]:
+    """P5: per row length and family, (comparison, N, family, count -> ratio) for L1 / L2,
+    L1 / FP16 and L2 / FP16, where both units of a pair were synthesized."""
+    counts = {
+        (unit.op, unit.row_length, r.family): r.resources for unit, r in results if unit.op in (L1, L2, FP16_OP)
+    }
+    rows = []
+    lengths = sorted({n for _, n, _ in counts if n is not None})
+    for num, den in ((L1, L2), (L1, FP16_OP), (L2, FP16_OP)):
+        for n in lengths:
+            for family in RATIO_FAMILIES:
+                a, b = counts.get((num, n, family)), counts.get((den, n, family))
+                if a is None or b is None:
+                    continue
+                ratios = {c: _ratio(getattr(a, c), getattr(b, c)) for c in RATIO_COUNTS}
+                rows.append((f"{num} / {den}", n, family, ratios))
+    return rows
+
+
+def ratio_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
+    rows = ratio_rows(results)
+    if not rows:
+        return ["No pair to compare: the integer norms' RTL units (`compilers.rtl.rtl_unit`) are not in this build."]
+    lines = ["| comparison | N | family | LUT | FF | DSP |", "|---|---:|---|---:|---:|---:|"]
+    lines += [f"| {what} | {n} | {family} | {r['lut']} | {r['ff']} | {r['dsp']} |" for what, n, family, r in rows]
+    return lines
+
+
+def tool_lines(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
+    tools = sorted({(tool, version) for _, r in results for tool, version in r.tools.items()})
+    return [f"- {tool}: {version}" for tool, version in tools]
+
+
+def family_lines(families: Sequence[str]) -> list[str]:
+    lines = []
+    for name in families:
+        fam = FAMILIES[name]
+        flow = f"`{fam.synth.split(' -json')[0]}`"
+        if fam.pnr:
+            flow += f", then `{' '.join(fam.pnr)} --freq {fam.pnr_freq_mhz} {' '.join(PNR_FLAGS)}`"
+        lines.append(f"- {name}: {fam.part}; {flow}; BRAM in {fam.bram_unit}")
+    return lines
+
+
+def markdown(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequence[str]) -> str:
+    return "\n".join(
+        [
+            "# FPGA resources",
+            "",
+            (
+                "Written by `qnorm synth` (`make fpga-report`). LUT / FF / DSP / BRAM: yosys `stat` after "
+                "synthesis (LUTs include those LUT-RAM and carry cells occupy; see compilers/rtl/synth.py). "
+                "Fmax: nextpnr's timing report after place and route, where an open flow exists. "
+                "Elements per second: the unit's sustained elements per clock × Fmax."
+            ),
+            "",
+            *resource_table(results),
+            "",
+            "## P5: L1 vs integer L2, and each vs FP16 (ratio of counts)",
+            "",
+            *ratio_table(results),
+            "",
+            "## Families and flows",
+            "",
+            *family_lines(families),
+            "",
+            "## Tools",
+            "",
+            *tool_lines(results),
+            "",
+        ]
+    )
+
+
+def plot(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequence[str], path: Path) -> None:
+    """LUT, FF and DSP per unit, one group of bars per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(unit.name for unit, _ in results))
+    by_key = {(unit.name, r.family): r.resources for unit, r in results}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(names) + 2), sharey=True)
+    height = 0.8 / len(families)
+    for ax, count in zip(axes, ("lut", "ff", "dsp")):
+        for k, family in enumerate(families):
+            values = [getattr(by_key[(n, family)], count) if (n, family) in by_key else 0 for n in names]
+            ax.barh(np.arange(len(names)) + k * height, values, height, label=family)
+        ax.set_title(count.upper())
+        ax.set_xlabel("count (post-synthesis)")
+    axes[0].set_yticks(np.arange(len(names)) + 0.4 - height / 2, names)
+    axes[0].invert_yaxis()
+    axes[-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report_paths(out: Path) -> list[Path]:
+    """What :func:`write_report` writes for ``out``: the markdown and the PNG beside it."""
+    return [out, out.with_suffix(".png")]
+
+
+def write_report(
+    out: Path,
+    case_named: Callable[[str], Any],
+    quick: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[Path]:
+    """Synthesize every unit (``quick``: rows of 64, no xcup) and write ``out`` (markdown)
+    and the PNG beside it; returns the paths written.  ``case_named``: see :func:`op_units`."""
+    families = QUICK_FAMILIES if quick else tuple(FAMILIES)
+    units = [*op_units(quick, case_named), *fp16_units(QUICK_ROW_LENGTHS if quick else ROW_LENGTHS)]
+    results = synthesize_all(units, families, progress)
+    table, png = report_paths(out)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(markdown(results, families))
+    plot(results, families, png)
+    return [table, png]

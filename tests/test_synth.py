@@ -1,0 +1,315 @@
+"""FPGA synthesis of Amaranth units (compilers.rtl.synth): a tiny streaming unit through
+yosys for xc7 and through yosys + nextpnr for ecp5, cached; a failing tool named with
+its log."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from cache_damage import flip_byte
+
+pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip install -e '.[fpga]')")
+
+from amaranth import Module, Signal
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.sim import Simulator
+
+from compilers import cache
+from compilers.rtl import fp16, report, synth
+from compilers.rtl.fp16 import FP16LayerNorm
+from compilers.rtl.fparith import FP16, FP32, FloatAdd, FloatConvert, FloatMul
+from compilers.rtl.synth import FAMILIES, SynthError, synthesize
+from qnorm.cli import main
+
+UINT = {np.float16: np.uint16, np.float32: np.uint32}
+
+
+class SquareSum(wiring.Component):
+    """A tiny unit of the units' interface: int8 in, the running sum of squares out,
+    one element per clock with valid/ready back-pressure."""
+
+    def __init__(self) -> None:
+        # Explicit: with postponed annotations Amaranth cannot read member annotations.
+        super().__init__({"i": In(stream.Signature(8)), "o": Out(stream.Signature(16))})
+
+    def elaborate(self, platform: object) -> Module:
+        m = Module()
+        acc = Signal(16)
+        m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
+        with m.If(self.o.valid & self.o.ready):
+            m.d.sync += self.o.valid.eq(0)
+        with m.If(self.i.valid & self.i.ready):
+            m.d.sync += [acc.eq(acc + self.i.payload * self.i.payload), self.o.valid.eq(1), self.o.payload.eq(acc)]
+        return m
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("family", ["xc7", "ecp5"])
+def test_a_tiny_unit_synthesizes_then_hits_the_cache(fresh_cache, family: str) -> None:
+    first = synthesize(SquareSum(), "square_sum", family)
+    res = first.resources
+    assert not first.cache_hit and first.family == family and first.unit == "square_sum"
+    assert res.lut > 0 and res.ff >= 17 and res.dsp == 1 and res.bram == 0  # 16-bit sum + valid
+    assert res.lut == synth.count_resources(FAMILIES[family], res.cells).lut
+    assert "yosys" in first.tools and first.tools["yosys"].startswith("Yosys 0.")
+    if family == "ecp5":
+        assert first.fmax_mhz is not None and first.fmax_mhz > 0
+        assert first.tools["nextpnr-ecp5"].startswith("nextpnr-0.")
+    else:
+        assert first.fmax_mhz is None  # no open place and route for Xilinx
+    again = synthesize(SquareSum(), "another_name", family)
+    assert again.cache_hit and again.key == first.key and again.unit == "another_name"
+    assert (again.resources, again.fmax_mhz, again.tools) == (first.resources, first.fmax_mhz, first.tools)
+    if family == "ecp5":  # a damaged entry is built again, never read (the cheaper flow shows it)
+        flip_byte(fresh_cache / "synth" / first.key, synth.RESULT)
+        rebuilt = synthesize(SquareSum(), "square_sum", family)
+        assert not rebuilt.cache_hit and (rebuilt.resources, rebuilt.fmax_mhz) == (first.resources, first.fmax_mhz)
+
+
+def test_source_locations_do_not_change_the_key() -> None:
+    text = synth.to_rtlil(SquareSum())
+    assert "\\src" not in text and "module \\top" in text
+
+
+def test_a_failing_synthesis_names_yosys_the_family_and_its_log(fresh_cache, monkeypatch) -> None:
+    broken = dataclasses.replace(FAMILIES["ecp5"], name="ecp5", synth="synth_nosuchfamily -top top")
+    monkeypatch.setitem(FAMILIES, "ecp5", broken)
+    with pytest.raises(SynthError, match=r"(?s)yosys \(ecp5\) failed.*synth_nosuchfamily"):
+        synthesize(SquareSum(), "square_sum", "ecp5")
+    assert not list((fresh_cache / "synth").glob("[!.]*"))  # nothing published
+
+
+def test_a_failing_place_and_route_names_nextpnr_and_its_log(fresh_cache, monkeypatch) -> None:
+    ecp5 = FAMILIES["ecp5"]
+    broken = dataclasses.replace(ecp5, pnr=(*ecp5.pnr, "--no-such-flag"))
+    monkeypatch.setitem(FAMILIES, "ecp5", broken)
+    with pytest.raises(SynthError, match=r"(?s)nextpnr-ecp5 \(ecp5\) failed.*no-such-flag"):
+        synthesize(SquareSum(), "square_sum", "ecp5")
+
+
+# nextpnr-ice40 0.11's log for a unit too large for the UP5K (the lines that matter).
+TOO_LARGE_LOG = """Info: Device utilisation:
+Info: \t         ICESTORM_LC:    6402/   5280   121%
+Info: \t        ICESTORM_RAM:       0/     30     0%
+Info: \t        ICESTORM_DSP:       9/      8   112%
+
+ERROR: Unable to place cell 'x_LC', no BELs remaining to implement cell type 'ICESTORM_LC'
+"""
+
+
+def test_a_unit_too_large_for_the_device_is_a_result_naming_what_it_exceeds(tmp_path, monkeypatch) -> None:
+    assert synth.overused(TOO_LARGE_LOG) == ["ICESTORM_LC 6402/5280", "ICESTORM_DSP 9/8"]
+    monkeypatch.setattr(synth, "_invoke", lambda *args: (1, TOO_LARGE_LOG))
+    fmax, unplaced = synth._place_and_route(FAMILIES["ice40"], tmp_path)
+    assert fmax is None and unplaced == "does not fit Lattice iCE40 UP5K SG48: ICESTORM_LC 6402/5280, ICESTORM_DSP 9/8"
+    monkeypatch.setattr(synth, "_invoke", lambda *args: (1, "ERROR: something else\n"))
+    with pytest.raises(SynthError, match=r"(?s)nextpnr-ice40 \(ice40\) failed with exit status 1.*something else"):
+        synth._place_and_route(FAMILIES["ice40"], tmp_path)
+
+
+def test_the_unit_clock_is_the_one_not_made_of_a_constant_net() -> None:
+    # nextpnr-ice40's report for a unit with ROMs: their write clock is tied low.
+    clocks = {"$PACKER_GND_NET_$glb_clk": {"achieved": 900.0}, "clk$SB_IO_IN_$glb_clk": {"achieved": 41.234}}
+    assert synth.unit_fmax(clocks, "nextpnr-ice40 (ice40)") == 41.23
+    assert synth.unit_fmax({}, "nextpnr-ice40 (ice40)") is None
+    with pytest.raises(SynthError, match=r"nextpnr-ecp5 \(ecp5\) timed 2 clocks \(a, b\)"):
+        synth.unit_fmax({"a": {"achieved": 1.0}, "b": {"achieved": 2.0}}, "nextpnr-ecp5 (ecp5)")
+
+
+def test_an_unknown_family_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="unknown FPGA family 'xc9'.*xc7, xcup, ecp5, ice40"):
+        synthesize(SquareSum(), "square_sum", "xc9")
+
+
+# --------------------------------------------------------------------------- fp arithmetic
+
+
+def _comb_outputs(dut, inputs: list, pairs: list[tuple[int, ...]]) -> list[int]:
+    """The combinational output of ``dut`` for each tuple of input bit patterns."""
+    got: list[int] = []
+
+    async def bench(ctx) -> None:
+        for values in pairs:
+            for signal, value in zip(inputs, values):
+                ctx.set(signal, int(value))
+            got.append(ctx.get(dut.o))
+
+    sim = Simulator(dut)
+    sim.add_testbench(bench)
+    sim.run()
+    return got
+
+
+def _operands(rng: np.random.Generator, dtype: type, count: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random pairs of normal numbers: a third near-cancelling (a + b tiny), a third of
+    widely different exponents, a third anything."""
+    def draw(k: int) -> np.ndarray:
+        return (rng.choice([-1.0, 1.0], k) * np.exp2(rng.uniform(-span, span, k))).astype(dtype)
+
+    a, b = draw(count), draw(count)
+    third = count // 3
+    b[:third] = (-a[:third] * (1 + rng.uniform(-2e-3, 2e-3, third))).astype(dtype)
+    b[third : 2 * third] = (a[third : 2 * third] * np.exp2(rng.integers(-span, span + 1, third))).astype(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "span"), [(FP32, np.float32, 30), (FP16, np.float16, 5)])
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
+def test_float_add_and_multiply_round_exactly_like_ieee(fmt, dtype, span: int, op: str) -> None:
+    a, b = _operands(np.random.default_rng(7), dtype, 240, span)
+    dut = FloatMul(fmt) if op == "mul" else FloatAdd(fmt)
+    pairs = list(zip(a.view(UINT[dtype]), b.view(UINT[dtype]), [op == "sub"] * len(a)))
+    signals = [dut.a, dut.b] if op == "mul" else [dut.a, dut.b, dut.sub_b]
+    got = np.array(_comb_outputs(dut, signals, pairs), dtype=UINT[dtype]).view(dtype)
+    with np.errstate(over="ignore"):
+        want = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[op](a, b)
+    normal = np.abs(want) >= np.finfo(dtype).tiny  # subnormals are flushed (fparith's docstring)
+    assert normal.sum() > 200 and np.isfinite(want).all()
+    assert (got.view(UINT[dtype])[normal] == want.view(UINT[dtype])[normal]).all()
+    assert (got[~normal] == 0).all()
+
+
+def test_float_conversions_widen_exactly_and_narrow_to_nearest_even() -> None:
+    rng = np.random.default_rng(3)
+    wide = (rng.choice([-1.0, 1.0], 300) * np.exp2(rng.uniform(-13, 15, 300))).astype(np.float32)
+    narrow = FloatConvert(FP32, FP16)
+    got = np.array(_comb_outputs(narrow, [narrow.a], [(v,) for v in wide.view(np.uint32)]), np.uint16)
+    assert (got == wide.astype(np.float16).view(np.uint16)).all()
+    halves = wide.astype(np.float16)
+    widen = FloatConvert(FP16, FP32)
+    back = np.array(_comb_outputs(widen, [widen.a], [(v,) for v in halves.view(np.uint16)]), np.uint32)
+    assert (back == halves.astype(np.float32).view(np.uint32)).all()
+
+
+# --------------------------------------------------------------------------- FP16 LayerNorm
+
+
+def run_layernorm(unit: FP16LayerNorm, rows: np.ndarray, stall_every: int = 0) -> tuple[np.ndarray, list[int]]:
+    """Stream ``rows`` through the unit in the simulator; its outputs and the clock of each
+    accepted output.  ``stall_every``: drop ``o.ready`` one clock in that many."""
+    outputs: list[int] = []
+    clocks: list[int] = []
+
+    async def source(ctx) -> None:
+        for value in rows.astype(np.float16).view(np.uint16).ravel():
+            ctx.set(unit.i.payload, int(value))
+            ctx.set(unit.i.valid, 1)
+            await ctx.tick().until(unit.i.ready)
+        ctx.set(unit.i.valid, 0)
+
+    async def sink(ctx) -> None:
+        clock = 0
+        while len(outputs) < rows.size:
+            ready = not (stall_every and clock % stall_every == 0)
+            ctx.set(unit.o.ready, ready)
+            _, _, valid, taken, payload = await ctx.tick().sample(unit.o.valid, unit.o.ready, unit.o.payload)
+            clock += 1
+            if valid and taken:
+                outputs.append(payload)
+                clocks.append(clock)
+
+    sim = Simulator(unit)
+    sim.add_clock(1e-8)
+    sim.add_testbench(source)
+    sim.add_testbench(sink)
+    sim.run()
+    return np.array(outputs, dtype=np.uint16).view(np.float16).reshape(rows.shape), clocks
+
+
+def test_rsqrt_seed_table_is_within_its_stated_error() -> None:
+    table = fp16.rsqrt_seed_table()
+    for parity in (0, 1):
+        for i in range(1 << fp16.SEED_BITS):
+            seed = 0.5 + table[parity * (1 << fp16.SEED_BITS) + i] * 2.0**-24
+            for edge in (i, i + 1):  # the interval's ends are the worst points
+                exact = 1 / np.sqrt((1 + edge / (1 << fp16.SEED_BITS)) * 2**parity)
+                assert abs(seed / exact - 1) <= 2.0**-8
+
+
+@pytest.mark.parametrize(("mean", "std", "stall_every"), [(0.5, 2.0, 0), (-20.0, 3.0, 3), (4.0, 0.25, 0)])
+def test_fp16_layernorm_is_within_its_error_bound(mean: float, std: float, stall_every: int) -> None:
+    n, rng = 24, np.random.default_rng(11)
+    rows = rng.normal(mean, std, (4, n)).astype(np.float16)
+    rows[3] = rows[3, 0]  # a constant row: σ² = 0, the output is β
+    gamma = rng.uniform(-2, 2, n).astype(np.float16)
+    beta = rng.uniform(-1, 1, n).astype(np.float16)
+    got, _ = run_layernorm(FP16LayerNorm(n, gamma, beta), rows, stall_every)
+    want = fp16.reference(rows, gamma, beta)
+    error = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert (error <= fp16.error_bound(rows, gamma, beta)).all(), f"worst error {error.max()}"
+    assert (got[3] == beta).all()
+
+
+def test_fp16_layernorm_takes_its_stated_cycles_per_row() -> None:
+    n = 8
+    unit = FP16LayerNorm(n, np.ones(n, np.float16), np.zeros(n, np.float16))
+    _, clocks = run_layernorm(unit, np.arange(3 * n, dtype=np.float16).reshape(3, n))
+    assert clocks[2 * n] - clocks[n] == clocks[n] - clocks[0] == unit.cycles_per_row
+    assert np.diff(clocks[:n]).tolist() == [1] * (n - 1)  # one result per clock within a row
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _result(unit: str, family: str, lut: int, ff: int, dsp: int, fmax: float | None = None, unplaced=None):
+    resources = synth.Resources(lut, ff, dsp, 0, {})
+    return synth.SynthResult(unit, family, resources, fmax, unplaced, {"yosys": "Yosys 0.70"}, "k", False, 0.0)
+
+
+def _report_unit(op: str, n: int) -> report.ReportUnit:
+    return report.ReportUnit(op, f"int8.n{n}", SquareSum(), cycles_per_row=n + 4, elements_per_cycle=1.0)
+
+
+def test_the_report_gives_each_result_and_the_p5_ratios() -> None:
+    l1, l2, fp = (_report_unit(op, 64) for op in (report.L1, report.L2, report.FP16_OP))
+    results = [
+        (l1, _result(l1.name, "xc7", 70, 50, 1)),
+        (l2, _result(l2.name, "xc7", 100, 80, 2)),
+        (fp, _result(fp.name, "xc7", 400, 100, 0)),
+        (l1, _result(l1.name, "ecp5", 90, 50, 1, fmax=150.0)),
+        (l2, _result(l2.name, "ecp5", 120, 100, 2, fmax=120.0)),
+        (fp, _result(fp.name, "ice40", 3000, 100, 8, unplaced="does not fit UP5K: ICESTORM_LC 6402/5280")),
+    ]
+    rows = {(what, n, family): r for what, n, family, r in report.ratio_rows(results)}
+    assert rows[("l1_layernorm / int_layernorm", 64, "xc7")] == {"lut": "0.70", "ff": "0.62", "dsp": "0.50"}
+    assert rows[("l1_layernorm / int_layernorm", 64, "ecp5")] == {"lut": "0.75", "ff": "0.50", "dsp": "0.50"}
+    assert rows[("l1_layernorm / fp16_layernorm", 64, "xc7")] == {"lut": "0.17", "ff": "0.50", "dsp": "∞"}
+    assert len(rows) == 4  # no FP16 unit on ecp5: no ratio there
+    text = report.markdown(results, ("xc7", "ecp5", "ice40"))
+    assert "| l1_layernorm.int8.n64 | ecp5 | 90 | 50 | 1 | 0 | 150.0 | 68 | 150.0 |" in text
+    assert "| l1_layernorm.int8.n64 | xc7 | 70 | 50 | 1 | 0 | — | 68 | — |" in text
+    assert "| does not fit UP5K: ICESTORM_LC 6402/5280 |" in text
+    assert "- yosys: Yosys 0.70" in text
+
+
+def test_without_the_integer_units_the_report_says_there_is_no_ratio() -> None:
+    fp = _report_unit(report.FP16_OP, 64)
+    assert report.ratio_rows([(fp, _result(fp.name, "xc7", 400, 100, 0))]) == []
+    assert "not in this build" in report.ratio_table([])[0]
+
+
+def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(report, "QUICK_FAMILIES", ("ecp5",))
+    monkeypatch.setattr(report, "op_units", lambda quick, case_named: [_report_unit("square_sum", 8)])
+    monkeypatch.setattr(report, "fp16_units", lambda lengths: [])
+    out = tmp_path / "fpga" / "table.md"
+    assert main(["synth", "--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert re.search(r"\| square_sum\.int8\.n8 \| ecp5 \| [1-9]\d* \| \d+ \| 1 \| 0 \| \d+\.\d \| 12 \|", text)
+    assert "nextpnr-ecp5: nextpnr-0." in text
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_qnorm_synth_refuses_a_directory_as_its_output(tmp_path, capsys) -> None:
+    assert main(["synth", "--out", str(tmp_path)]) == 2
+    assert "is a directory, not a file" in capsys.readouterr().err
