@@ -52,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qnorm import fixedpoint as fp
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate
 from qnorm.ops._normcore import DEFAULT_OUT, NormOp
@@ -177,19 +177,27 @@ class IntNorm(QATModule):
     def forward(self, x: torch.Tensor | Any) -> Output:
         """``golden(fmt).forward(x_int) * out_fmt.scale`` exactly; surrogate gradient.
 
-        The body runs inside :func:`qnorm.fixedpoint.proven_ranges`: ``op`` exists,
-        so its range analysis passed for every input of ``q.fmt``, and ``q.ints``
-        lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's integers are
-        checked against its declared width), so fixedpoint's per-call operand
-        checks (two reductions each, a device sync each on a GPU) are skipped.
+        The integers come from :class:`~qnorm.nn.elementchain.ElementChain`: the op's
+        own per-row stages and its per-element chain fused (tested equal to the
+        golden body).  They run inside :func:`qnorm.fixedpoint.proven_ranges`: ``op``
+        exists, so its range analysis passed for every input of ``q.fmt``, and
+        ``q.ints`` lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's
+        integers are checked against its declared width), so fixedpoint's per-call
+        operand checks (two reductions each, a device sync each on a GPU) are skipped.
         """
         self._check_dtype(x)
         q = self.quantize_input(x)
         op = self.golden(q.fmt)
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        with fp.proven_ranges():
-            ints = self.run_golden(op, q.ints)
+        ints = self._element_chain(op)(q.ints)
         return self.finish(q, ints, op.out_fmt, self._surrogate(), params)
+
+    def _element_chain(self, op: NormOp) -> ElementChain:
+        """The fast exact forward of ``op`` (:mod:`qnorm.nn.elementchain`), built once per op."""
+        chain = getattr(self, "_chain", None)
+        if chain is None or chain.op is not op:
+            chain = self._chain = ElementChain(op)
+        return chain
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The unquantized float op on ``x`` with the float γ, β, ε (no rounding, no clip)."""

@@ -407,19 +407,30 @@ def row_affine(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace:
     product wider than the row's own values): x·a − c then equals
     ``num · a / N`` within 1, so a constant row gives exactly 0.
     """
+    a0, c0, up, k = row_affine_parts(s1, r, e, cfg, mult_shift)
+    a = record(trace, "mult", a0 << up)
+    c = record(trace, "offset", c0 << up) if cfg.centered else 0
+    return a, c, record(trace, "z_shift", k)
+
+
+def row_affine_parts(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`row_affine` before its exact left shift: ``(a0, c0, up, K)`` with
+    ``a = a0 · 2^up`` and ``c = c0 · 2^up`` (c0 = 0 for an uncentered numerator).
+
+    Where up > 0 the row's K is 0 (up = j_r − K0 only where K0 < j_r = 0), so
+    ``z = x·a − c = (x·a0 − c0) · 2^up``: a per-element path may run the narrower
+    ``x·a0 − c0`` and shift its z left (:mod:`qnorm.nn.elementchain` does)."""
     mode = cfg.rounding
     k0 = e + z_shift_base(cfg)
     jr = clamp(k0, 0, mult_shift)
     up = clamp(jr - k0, 0, 62)  # 2^-(K0 − j_r) folded into a and c where K0 < j_r
     a0 = rshift_round(r * cfg.num_mult, jr, mode)
-    a = record(trace, "mult", a0 << up)
     if cfg.centered:
         m = div_round(s1, cfg.n, Round.FLOOR)
-        c = record(trace, "offset", (a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)) << up)
+        c0 = a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)
     else:
-        c = 0
-    k = record(trace, "z_shift", k0 - jr + up)
-    return a, c, k
+        c0 = 0
+    return a0, c0, up, k0 - jr + up
 
 
 def z_shift_base(cfg: NormConfig) -> int:
@@ -850,13 +861,18 @@ class NormOp(IntOp):
 
     def _forward(self, x: Any, trace: Trace | None) -> Any:
         cfg = self.config
+        a, c, k = row_affine(*self.row_inverse(x, trace), cfg, self._mult_shift, trace)
+        z = normalize(x, a, c, k, cfg, trace)
+        return self._output(z, trace)
+
+    def row_inverse(self, x: Any, trace: Trace | None = None) -> tuple[Any, Any, Any]:
+        """Stages 1 and 2 per row: ``(Σx or None, r, e)``, what :func:`row_affine`
+        (or :func:`row_affine_parts`) turns into the row's multiplier and offset."""
+        cfg = self.config
         s, s1 = self._statistic(x, trace)
         w = add_eps(s, cfg, trace)
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
-        r = self._inverse(m, trace)
-        a, c, k = row_affine(s1, r, e, cfg, self._mult_shift, trace)
-        z = normalize(x, a, c, k, cfg, trace)
-        return self._output(z, trace)
+        return s1, self._inverse(m, trace), e
 
     def _scale(self, zc: Any) -> Any:
         return zc * const_like(zc, self._gain)

@@ -1,0 +1,95 @@
+"""The QAT norms' fast exact forward (qnorm.nn.elementchain) against the golden body,
+on rows that reach the range analysis' extremes, in every lane width and tie rule."""
+
+import numpy as np
+import pytest
+import torch
+
+from qnorm import ops
+from qnorm.fixedpoint import Round
+from qnorm.nn.elementchain import ElementChain
+from qnorm.ops._normcore import DEFAULT_OUT, row_affine_parts
+from qnorm.qformat import QFormat
+
+OPS = {
+    "int_ln": (ops.IntLayerNorm, {}),
+    "l1": (ops.L1LayerNorm, {}),
+    "shift2": (ops.ShiftLayerNorm, {"mantissa_terms": 2}),
+    "shift1": (ops.ShiftLayerNorm, {"mantissa_terms": 1}),
+    "rms": (ops.IntRMSNorm, {}),
+    "prms": (ops.IntRMSNorm, {"partial": 0.25}),
+}
+FORMATS = {
+    "int8": (QFormat(8, 0.03), DEFAULT_OUT),
+    "int4": (QFormat(4, 0.4), QFormat(4, 0.5)),
+    "int16": (QFormat(16, 2.0**-12), QFormat(16, 2.0**-12)),
+}
+
+
+def make_op(kind: str, n: int, fmts: str, seed: int = 0, eps: float = 1e-5, **kw) -> ops.IntLayerNorm:
+    cls, options = OPS[kind]
+    rng = np.random.default_rng(seed)
+    gamma, beta = rng.normal(1.0, 0.5, n), rng.normal(0.0, 0.5, n)
+    gamma[1:2], gamma[2:3] = -0.7, 0.0
+    in_fmt, out_fmt = FORMATS[fmts]
+    return cls.from_float(gamma, beta, eps, in_fmt, out_fmt, **options, **kw)
+
+
+def extreme_rows(fmt: QFormat, n: int, seed: int) -> np.ndarray:
+    """Random rows, [lo, hi, ..., hi] and [hi, lo, ..., lo] (the bound of |z|), constant
+    rows, rows of tiny variance (one step off a constant: the multiplier's left shift)
+    and rows pinned at the format's ends."""
+    rng = np.random.default_rng(seed)
+    lo, hi = fmt.lo, fmt.hi
+    random = rng.integers(lo, hi + 1, (40, n))
+    spread = (rng.normal(0, 1, (40, n)) * rng.uniform(0.5, hi / 2, (40, 1))).round().clip(lo, hi)
+    special = [np.full(n, hi), np.full(n, lo), np.zeros(n), np.full(n, 3).clip(lo, hi)]
+    for a, b in ((lo, hi), (hi, lo), (0, 1), (hi, hi - 1), (lo, lo + 1), (-1, 0)):
+        row = np.full(n, b)
+        row[0] = a
+        special.append(row)
+        row = np.full(n, b)
+        row[-1] = a
+        special.append(row)
+    return np.concatenate([random, spread, np.stack(special)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 768])
+@pytest.mark.parametrize("fmts", FORMATS)
+@pytest.mark.parametrize("kind", OPS)
+def test_chain_equals_the_golden_body(kind, fmts, n):
+    op = make_op(kind, n, fmts, seed=n)
+    x = extreme_rows(op.in_fmt, n, seed=n)
+    got = ElementChain(op)(torch.from_numpy(x))
+    assert np.array_equal(got.numpy(), op.forward(x))
+
+
+@pytest.mark.parametrize("rounding", [r for r in Round if r is not Round.HALF_UP])
+@pytest.mark.parametrize("kind", ["int_ln", "l1", "shift2", "prms"])
+def test_other_tie_rules_run_the_golden_body(kind, rounding):
+    op = make_op(kind, 64, "int8", rounding=rounding)
+    chain = ElementChain(op)
+    assert not chain.fused
+    x = extreme_rows(op.in_fmt, 64, seed=1)
+    assert np.array_equal(chain(torch.from_numpy(x)).numpy(), op.forward(x))
+
+
+def test_lanes_are_int32_only_where_proven():
+    """int8 rows of 32: every stage below 2^31.  Rows of 768: x·a0 alone needs more
+    (a0 = N·r reaches ~2^25 in rows with j_r = 0), so the chain stays int64; int16
+    formats take the 64-bit datapath."""
+    assert ElementChain(make_op("int_ln", 32, "int8")).dtype == torch.int32
+    assert ElementChain(make_op("int_ln", 768, "int8")).dtype == torch.int64
+    assert ElementChain(make_op("rms", 32, "int16")).dtype == torch.int64
+
+
+def test_tiny_variance_rows_take_the_left_shift():
+    """With ε = 0 and a fine z (F_z = 24), a row one LSB off a constant has K0 < 0: the
+    chain multiplies by a0 and shifts z left by up (row_affine_parts), and still
+    equals the golden body."""
+    op = make_op("int_ln", 64, "int8", eps=0.0, frac_bits=24)
+    row = np.zeros((1, 64), dtype=np.int64)
+    row[0, 0] = 1
+    _, _, up, k = row_affine_parts(*op.row_inverse(row), op.config, op._mult_shift)
+    assert int(up.max()) > 0 and int(k.max()) == 0
+    assert np.array_equal(ElementChain(op)(torch.from_numpy(row)).numpy(), op.forward(row))
