@@ -1,13 +1,16 @@
-"""The QAT norms' fast exact forward (qnorm.nn.elementchain) against the golden body,
-on rows that reach the range analysis' extremes, in every lane width and tie rule."""
+"""The QAT norms' fast path: the exact forward (qnorm.nn.elementchain) against the
+golden body, on rows that reach the range analysis' extremes, in every lane width and
+tie rule; the in-graph surrogate's gradients against the backward-pass surrogate's."""
 
 import numpy as np
 import pytest
 import torch
 
+from qnorm import nn as qnn
 from qnorm import ops
 from qnorm.fixedpoint import Round
 from qnorm.nn.elementchain import ElementChain
+from qnorm.nn.surrogate import exact_forward
 from qnorm.ops._normcore import DEFAULT_OUT, row_affine_parts
 from qnorm.qformat import QFormat
 
@@ -93,3 +96,47 @@ def test_tiny_variance_rows_take_the_left_shift():
     _, _, up, k = row_affine_parts(*op.row_inverse(row), op.config, op._mult_shift)
     assert int(up.max()) > 0 and int(k.max()) == 0
     assert np.array_equal(ElementChain(op)(torch.from_numpy(row)).numpy(), op.forward(row))
+
+
+LAYERS = {
+    "int_ln": (qnn.IntLayerNorm, {}),
+    "l1": (qnn.L1LayerNorm, {}),
+    "shift2": (qnn.ShiftLayerNorm, {}),
+    "prms": (qnn.IntRMSNorm, {"partial": 0.25}),
+}
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+@pytest.mark.parametrize("kind", LAYERS)
+def test_in_graph_surrogate_gradients_equal_the_backward_pass_surrogate(kind, calibrated):
+    """The layer's gradients (surrogate in the forward's graph) are bit for bit those of
+    :func:`exact_forward` (the surrogate re-run inside the backward), input clipping
+    included."""
+    cls, options = LAYERS[kind]
+    layer = cls(32, in_fmt=None if calibrated else QFormat(8, 0.02), **options)
+    with torch.no_grad():
+        layer.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(1))
+        if layer.bias is not None:
+            layer.bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    x = (torch.randn(6, 32, generator=torch.Generator().manual_seed(3)) * 1.5).requires_grad_()
+    target = torch.randn(6, 32, generator=torch.Generator().manual_seed(4))
+    params = [p for p in (layer.weight, layer.bias) if p is not None]
+    y = layer(x)
+    got = torch.autograd.grad((y - target).square().sum(), [x, *params])
+    layer.eval()  # the calibration the forward above made, frozen
+    q = layer.quantize_input(x)
+    op = layer.golden(q.fmt)
+    want_y = exact_forward(torch.from_numpy(op.forward(q.ints.numpy())), op.out_fmt.scale, layer._surrogate(), q, params)
+    want = torch.autograd.grad((want_y - target).square().sum(), [x, *params])
+    assert torch.equal(y, want_y)
+    if not calibrated:  # a calibrated range covers the batch; the fixed one clips some inputs
+        assert not bool(q.pass_mask.all())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_no_graph_without_gradients():
+    layer = qnn.IntLayerNorm(16, in_fmt=QFormat(8, 0.02))
+    with torch.no_grad():
+        y = layer(torch.randn(3, 16))
+    assert y.grad_fn is None
