@@ -140,3 +140,34 @@ def test_no_graph_without_gradients():
     with torch.no_grad():
         y = layer(torch.randn(3, 16))
     assert y.grad_fn is None
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_a_changed_parameter_or_scale_gives_a_fresh_ops_integers(kind):
+    """No derived constant goes stale: after γ, β or the calibrated scale change (in
+    place, as an optimizer step does), the forward equals an op built from scratch."""
+    cls, options = LAYERS[kind]
+    layer = cls(32, **options)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
+    layer(x)  # calibrates, derives and caches
+
+    def fresh() -> torch.Tensor:
+        fmt = layer.input_quant.fmt
+        beta = None if layer.bias is None else layer.bias.detach().double().numpy()
+        op = type(layer).op_cls.from_float(layer.weight.detach().double().numpy(), beta, layer.eps, fmt,
+                                           layer.out_fmt, **options)  # fmt: skip
+        return torch.from_numpy(op.forward(fmt.quantize(x.numpy()))).float() * op.out_fmt.scale
+
+    layer.eval()
+    before = layer(x)
+    assert torch.equal(before, fresh())
+    with torch.no_grad():
+        layer.weight[3] += 0.5
+    changed = layer(x)
+    assert not torch.equal(changed, before) and torch.equal(changed, fresh())
+    if layer.bias is not None:
+        with torch.no_grad():
+            layer.bias[5] -= 0.25
+        assert torch.equal(layer(x), fresh())
+    layer.input_quant.running_max_abs.mul_(1.25)
+    assert torch.equal(layer(x), fresh())
