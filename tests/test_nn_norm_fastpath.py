@@ -11,7 +11,16 @@ from qnorm import ops
 from qnorm.fixedpoint import Round
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.surrogate import exact_forward
-from qnorm.ops._normcore import DEFAULT_OUT, row_affine_parts
+from qnorm.analysis import Interval, OverflowRiskError, RangeReport
+from qnorm.ops._normcore import (
+    DEFAULT_OUT,
+    add_eps_ranges,
+    exponent_segments,
+    mantissa_range,
+    mult_shift,
+    row_affine_parts,
+    xa_bound,
+)
 from qnorm.qformat import QFormat
 
 OPS = {
@@ -171,3 +180,27 @@ def test_a_changed_parameter_or_scale_gives_a_fresh_ops_integers(kind):
         assert torch.equal(layer(x), fresh())
     layer.input_quant.running_max_abs.mul_(1.25)
     assert torch.equal(layer(x), fresh())
+
+
+@pytest.mark.parametrize("kind", OPS)
+def test_mult_shift_bisection_is_the_linear_search(kind):
+    """mult_shift's bisection returns the first j in 0, 1, 2, … whose xa bound fits the
+    lanes, over row lengths, formats and ε (which move the exponents and the bound)."""
+    cls = OPS[kind][0]
+    for n in (1, 7, 64, 768, 4096):
+        for fmts in ("int8", "int4", "int16"):
+            for eps in (0.0, 1e-5, 0.3):
+                try:
+                    op = make_op(kind, n, fmts, eps=eps)
+                except OverflowRiskError:
+                    continue
+                cfg = op.config
+                row = cls.row_analysis(cfg)
+                stat = add_eps_ranges(RangeReport(cls.name), cls._statistic_ranges(cfg, RangeReport(cls.name)), cfg)
+                segs = exponent_segments(stat.w, cfg)
+                mants = [mantissa_range(e, seg, cfg) for e, seg in segs.items()]
+                m_iv = Interval(min(m.lo for m in mants), max(m.hi for m in mants))
+                products = cls._products(cfg, stat, segs, cls._inverse_range(cfg, m_iv))
+                limit = 1 << (cfg.lanes - 2)
+                linear = next(j for j in range(63) if xa_bound(cfg, products, j) < limit)
+                assert mult_shift(cfg, products) == linear == row.mult_shift, (n, fmts, eps)

@@ -974,9 +974,9 @@ class NormOp(IntOp):
         if rep is not None:
             xa = xa_bound(cfg, products, j)
             rep.add("xa", Interval(-xa, xa))
-        t, d = 0, cfg.inv_frac_bits - cfg.frac_bits
+        t, d, base = 0, cfg.inv_frac_bits - cfg.frac_bits, z_shift_base(cfg)
         for e, (*_, pb) in products.items():
-            jr, _, k = row_shifts(cfg, e, j)
+            jr, _, k = shifts_of(e + base, j)
             # pb / 2^d, plus the datapath's error: a and c rounded (j_r > 0, then K >= 0)
             # and z rounded (K > 0); floor of one integer quotient
             err = span_of(cfg) + 1 if jr else 0
@@ -1061,10 +1061,10 @@ class NormOp(IntOp):
         return (normalized * g + b).numpy()
 
 
-def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
-    """(j_r, up, K) of a row with exponent e (:func:`row_affine`): the multiplier's
-    right shift, the left shift folded into a and c, and z's right shift."""
-    k0 = e + z_shift_base(cfg)
+def shifts_of(k0: int, j: int) -> tuple[int, int, int]:
+    """(j_r, up, K) of a row with K0 = e + :func:`z_shift_base` (:func:`row_affine`):
+    the multiplier's right shift, the left shift folded into a and c, and z's right
+    shift.  (The analysis forms the base once per config.)"""
     jr = min(max(k0, 0), j)
     up = max(jr - k0, 0)
     return jr, up, k0 - jr + up
@@ -1072,20 +1072,40 @@ def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
 
 def mult_shift(cfg: NormConfig, products: dict[int, tuple[int, int, int]]) -> int:
     """j: the smallest cap of the per-row multiplier shift that keeps
-    ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom)."""
+    ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom).
+
+    Found by bisection over j >= 1 after trying j = 0, which gives the same j as
+    trying 0, 1, 2, … in turn: from j = 1 on, :func:`xa_bound` never grows with j.
+    A row with K0 <= 0 has j_r = 0 whatever j is (its term is constant); one with
+    K0 >= 1 has j_r = min(K0, j) >= 1, up = 0 and the term
+    ``|num r| / 2^j_r + span + 1``, which only shrinks as j_r grows.  (From 0 to 1
+    the bound can grow: the ``span + 1`` of the rounded a and c appears.)
+    """
     limit = 1 << (cfg.lanes - 2)
-    for j in range(63):
-        if xa_bound(cfg, products, j) < limit:
-            return j
-    raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+
+    def fits(j: int) -> bool:
+        return xa_bound(cfg, products, j) < limit
+
+    if fits(0):
+        return 0
+    lo, hi = 1, 62
+    if not fits(hi):
+        raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+    while lo < hi:  # fits(hi) holds; the answer lies in [lo, hi]
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def xa_bound(cfg: NormConfig, products: dict[int, tuple[int, int, int]], j: int) -> int:
     """max |x·a − c| over the row's exponents: |num·r| 2^up / 2^j_r, plus span + 1
     where a and c are rounded (j_r > 0; exact otherwise)."""
-    span, out = span_of(cfg), 0
+    span, base, out = span_of(cfg), z_shift_base(cfg), 0
     for e, (num, den, _) in products.items():
-        jr, up, _ = row_shifts(cfg, e, j)
+        jr, up, _ = shifts_of(e + base, j)
         out = max(out, (num << up) // (den << jr) + (span + 1 if jr else 0))
     return out
 
@@ -1101,7 +1121,8 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
 
     The per-element product x·a runs in the lanes modulo 2^lanes where a is wider
     than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
-    shifts = [row_shifts(cfg, e, j) for e in segs]
+    base = z_shift_base(cfg)
+    shifts = [shifts_of(e + base, j) for e in segs]
     nr = inv * cfg.num_mult
     mults = [(nr.rshift(jr, cfg.rounding), up) for jr, up in sorted({(jr, up) for jr, up, _ in shifts})]
     rep.add("mult", Interval(min(m.lo << up for m, up in mults), max(m.hi << up for m, up in mults)))
