@@ -636,7 +636,32 @@ def _row_fields(cfg_cls: type[NormConfig]) -> tuple[str, ...]:
 
 def row_key(cfg: NormConfig) -> tuple[Any, ...]:
     """The hashable structural key of ``cfg``'s row analysis: the config class, the
-    input's bit width and signedness, and every field but the output stage's."""
+    input's bit width and signedness, and every field but the output stage's.
+
+    **ε_int is in the key exactly, not by an interval or a coarser quantity.**  A
+    calibrating QAT layer's input scale moves every training step, and with it
+    ε_int = round(ε N²/s_in² · 4^g) (at 2^-16 resolution), so its analysis misses
+    the cache every step.  Could one analysis serve an interval [ε1, ε2] of ε_int?
+    As a proof, yes: every row with ε in it satisfies |num|^p <= κ(W − ε1) and has
+    W in [S_lo 4^g + ε1, S_hi 4^g + ε2], so the analysis of that relation and range
+    is sound for all of them.  But the row analysis does not only prove a config
+    safe, it *defines* constants of the op: j (:func:`mult_shift`, the smallest
+    shift the analysis proves), the z bound that clips each B_c (a recorded
+    constant) and sets the output window, and the report's entries.  The interval's
+    bounds are looser than each exact ε's, so at its edges the smallest provable j
+    can be one larger and z's bound differs: other integers and constants, i.e. a
+    different definition (golden vectors and checkpoints would no longer re-derive),
+    not a cache.  A coarser key whose every ε provably gives the *same* analysis
+    would need the computed bounds to be monotone in ε.  They are for every exponent
+    segment but the top one (on the others the relation's sup over the segment
+    only falls as ε grows, and the integer roots and floors applied to it keep
+    that order), while the top segment's upper end S_hi 4^g + ε grows with ε (a new
+    top exponent can even appear), and the recorded bounds move with ε anyway.  So
+    the exact ε_int stays in the key: a training step whose calibrated scale
+    moved pays one exact analysis (the bisection in :func:`mult_shift` and
+    :func:`shifts_of`'s once-per-config base keep it short), and every forward
+    whose scale did not move — a fixed ``in_fmt``, a power-of-two scale (``pow2``),
+    an IntQuantTensor's scale, eval — hits."""
     return (type(cfg), cfg.in_fmt.bits, cfg.in_fmt.signed, *(getattr(cfg, f) for f in _row_fields(type(cfg))))
 
 
