@@ -1,6 +1,8 @@
 """The QAT norms' fast path: the exact forward (qnorm.nn.elementchain) against the
 golden body, on rows that reach the range analysis' extremes, in every lane width and
-tie rule; the in-graph surrogate's gradients against the backward-pass surrogate's."""
+tie rule; the in-graph surrogate's gradients against the backward-pass surrogate's;
+no stale constants after a parameter or scale change; mult_shift's bisection against
+the linear search."""
 
 import numpy as np
 import pytest
@@ -8,10 +10,10 @@ import torch
 
 from qnorm import nn as qnn
 from qnorm import ops
+from qnorm.analysis import Interval, OverflowRiskError, RangeReport
 from qnorm.fixedpoint import Round
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.surrogate import exact_forward
-from qnorm.analysis import Interval, OverflowRiskError, RangeReport
 from qnorm.ops._normcore import (
     DEFAULT_OUT,
     add_eps_ranges,
