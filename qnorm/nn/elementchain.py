@@ -49,16 +49,20 @@ def _row_stage_bound(op: NormOp) -> int:
     difference, from the op's range report.
 
     ``a0 = round(N_c · r / 2^j_r) <= N_c · r_max`` (N_c = N for a centered numerator,
-    else 1; j_r >= 0; rounding a multiple of 2^-j_r up stays <= it);
+    else 1; exact at j_r = 0, at most N_c r / 2 + 1 <= N_c r for j_r >= 1, r > 1);
     ``c0 = a0·m + round(D·a0/N)`` with ``m = floor(Σx / N)`` in the input's range and
     ``0 <= D < N``, so ``|c0| <= a0 (X + 1)`` with X = max |x|; the half
-    ``h_K < 2^K_max``.
+    ``h_K < 2^K_max``.  A row shift of 31 or more counts as too wide for int32 (a
+    shift by the lane width or more is not a plain arithmetic shift everywhere).
     """
     cfg = op.config
     rep = dict(type(op).row_analysis(cfg).items)  # cached per row key: no analysis runs here
     a0 = rep[op.inverse_name].hi * cfg.num_mult
     x = max(-cfg.in_fmt.lo, cfg.in_fmt.hi)
-    c0 = a0 * (x + 1) + (1 << rep["z_shift"].hi) if cfg.centered else 1 << rep["z_shift"].hi
+    k_max = rep["z_shift"].hi
+    if k_max >= 31:
+        return INT32_LIMIT
+    c0 = a0 * (x + 1) + (1 << k_max) if cfg.centered else 1 << k_max
     return x * a0 + c0
 
 
