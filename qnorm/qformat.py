@@ -21,6 +21,15 @@ def _torch() -> Any:
     return torch
 
 
+def _all_finite_tensor(torch: Any, t: Any) -> bool:
+    """Every value of float tensor ``t`` is finite: its extremes are (``aminmax``
+    propagates NaN), one fused reduction instead of a mask and a count."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool((lo > -math.inf) & (hi < math.inf))
+
+
 def _clip(t: Any, lo: float, hi: float) -> Any:
     return t.clamp(lo, hi) if _is_torch(t) else np.clip(t, lo, hi)
 
@@ -86,7 +95,7 @@ class QFormat:
             if x.dtype.is_complex or x.dtype == torch.bool:
                 raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued tensor")
             t = x.detach().to(torch.float64) / self.scale
-            bad = int((~torch.isfinite(t)).sum())
+            bad = 0 if _all_finite_tensor(torch, t) else int((~torch.isfinite(t)).sum())
         else:
             x = np.asarray(x)
             if x.dtype.kind not in "fiu":

@@ -606,8 +606,9 @@ def test_proven_ranges_is_restored_after_an_error_and_is_per_thread():
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_qat_layer_runs_only_its_body_in_proven_ranges(kind, monkeypatch):
-    """The QAT forward's body runs inside proven_ranges and equals the checked body;
-    the golden op's numpy forward outside it still refuses out-of-range input."""
+    """The QAT forward's per-row body (the op's own ``row_inverse``, which the fused
+    element chain follows) runs inside proven_ranges and the output equals the checked
+    body; the golden op's numpy forward outside it still refuses out-of-range input."""
     from qnorm.nn import IntLayerNorm as QIntLayerNorm
     from qnorm.nn import IntRMSNorm as QIntRMSNorm
     from qnorm.nn import L1LayerNorm as QL1LayerNorm
@@ -622,13 +623,13 @@ def test_qat_layer_runs_only_its_body_in_proven_ranges(kind, monkeypatch):
     x = torch.randn(4, 5, 96) * 2
     x[0, 0] = 100.0  # saturates: the quantizer clips into the format
     flags = []
-    body = cls._forward
+    body = cls.row_inverse
 
-    def spy(self, xi, trace):
+    def spy(self, xi, trace=None):
         flags.append(fp.ranges_proven())
         return body(self, xi, trace)
 
-    monkeypatch.setattr(cls, "_forward", spy)
+    monkeypatch.setattr(cls, "row_inverse", spy)
     y = layer(x)
     assert flags == [True] and not fp.ranges_proven()
     monkeypatch.undo()

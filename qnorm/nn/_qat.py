@@ -23,14 +23,18 @@ The recipe:
 3. **Exact forward**: the golden op's own ``_forward`` body, run on torch int64 tensors
    (:mod:`qnorm.fixedpoint` and :mod:`qnorm.ops._xp` run unchanged on them), so the
    result equals ``golden_op.forward(x_int)`` by construction, not by a second
-   implementation.  The float output is ``ints.to(dtype) * out_scale`` in the input's
-   float dtype: exactly what the golden integers mean.
+   implementation.  The norm layers run the op's own per-row stages on numpy and a
+   fused int32 element chain instead (:mod:`qnorm.nn.elementchain`, tested equal).
+   The float output is ``ints.to(dtype) * out_scale`` in the input's float dtype:
+   exactly what the golden integers mean.
 4. **Backward**: :func:`exact_forward` wraps (3) in a custom autograd Function whose
    backward is the vector-Jacobian product of the layer's differentiable float
    *surrogate*, evaluated at the dequantized input with the float parameters; the
    input quantizer contributes a straight-through estimator that is zero where it
    clipped.  (``y_float + (y_q - y_float).detach()`` is avoided on purpose: that sum
-   is rounded in float arithmetic and is not bit-identical to ``y_q``.)
+   is rounded in float arithmetic and is not bit-identical to ``y_q``.)  The norm
+   layers build the same surrogate in the forward's graph and swap its value for the
+   exact one (:func:`exact_forward_in_graph`: the same gradients, one autograd pass).
 5. **Output**: a float tensor, or an ``IntQuantTensor`` (zero point 0) with
    ``return_quant_tensor=True``, so a layer sits between Brevitas layers without glue.
 
@@ -92,7 +96,7 @@ from qnorm.nn.quantizer import (
     power_of_two_ceil,
     quantize_float,
 )
-from qnorm.nn.surrogate import Output, Surrogate, exact_forward, to_output
+from qnorm.nn.surrogate import Output, Surrogate, exact_forward, exact_forward_in_graph, to_output
 from qnorm.nn.sync import all_reduce_max, distributed, synced_batch_norm, synced_moments
 
 __all__ = [
@@ -111,6 +115,7 @@ __all__ = [
     "check_finite_float",
     "distributed",
     "exact_forward",
+    "exact_forward_in_graph",
     "fmt_metadata",
     "from_op_layout",
     "from_quant_tensor",

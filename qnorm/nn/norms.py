@@ -12,17 +12,21 @@ arguments, same ``weight``/``bias``/``eps`` attributes).
 float γ, β, ε by its own ``from_float`` in every forward (γ into per-channel dyadic
 multipliers — powers of two for ShiftLayerNorm — and β into accumulator units, so a
 training step's parameter update is seen by the next forward; while γ, β, ε and the
-formats are unchanged, as in eval, the last derivation is reused); the op's integer
-body runs on int64 tensors, inside :func:`qnorm.fixedpoint.proven_ranges` (the op's
-range analysis covers every input of its format, so the per-call operand checks are
-skipped), and the output is ``golden_ints * out_fmt.scale`` in the input's float
-dtype, exactly.
+formats are unchanged, as in eval, the last derivation is reused); the op's integers
+come from :class:`~qnorm.nn.elementchain.ElementChain` (the op's own per-row stages and
+its per-element chain fused, in int32 where proven; tested equal to the golden body),
+inside :func:`qnorm.fixedpoint.proven_ranges` (the op's range analysis covers every
+input of its format, so the per-call operand checks are skipped), and the output is
+``golden_ints * out_fmt.scale`` in the input's float dtype, exactly.
 
 **Backward**: the vector-Jacobian product of the float op the integer op
 approximates, at the dequantized input with the float γ, β, clipped to the output
 format's range (a straight-through estimator that is zero where the output
 saturates, as for Brevitas' activation quantizers); the input quantizer passes the
-gradient where it did not clip.  Per layer the surrogate is
+gradient where it did not clip.  The surrogate is evaluated in the forward's own graph
+and its value replaced by the exact output (:func:`~qnorm.nn.surrogate.exact_forward_in_graph`:
+the gradients of :func:`~qnorm.nn.surrogate.exact_forward`, without a second autograd
+pass in the backward).  Per layer the surrogate is
 
 * IntLayerNorm, ShiftLayerNorm: ``F.layer_norm``.  For ShiftLayerNorm this is a
   straight-through estimator over the power-of-two approximation as well: the
@@ -52,12 +56,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qnorm import fixedpoint as fp
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
-from qnorm.nn.surrogate import Output, Surrogate
+from qnorm.nn.surrogate import Output, Surrogate, exact_forward_in_graph, to_output
 from qnorm.ops._normcore import DEFAULT_OUT, NormOp
 from qnorm.qformat import QFormat
 
@@ -177,19 +181,28 @@ class IntNorm(QATModule):
     def forward(self, x: torch.Tensor | Any) -> Output:
         """``golden(fmt).forward(x_int) * out_fmt.scale`` exactly; surrogate gradient.
 
-        The body runs inside :func:`qnorm.fixedpoint.proven_ranges`: ``op`` exists,
-        so its range analysis passed for every input of ``q.fmt``, and ``q.ints``
-        lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's integers are
-        checked against its declared width), so fixedpoint's per-call operand
-        checks (two reductions each, a device sync each on a GPU) are skipped.
+        The integers come from :class:`~qnorm.nn.elementchain.ElementChain`: the op's
+        own per-row stages and its per-element chain fused (tested equal to the
+        golden body).  They run inside :func:`qnorm.fixedpoint.proven_ranges`: ``op``
+        exists, so its range analysis passed for every input of ``q.fmt``, and
+        ``q.ints`` lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's
+        integers are checked against its declared width), so fixedpoint's per-call
+        operand checks (two reductions each, a device sync each on a GPU) are skipped.
         """
         self._check_dtype(x)
         q = self.quantize_input(x)
         op = self.golden(q.fmt)
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        with fp.proven_ranges():
-            ints = self.run_golden(op, q.ints)
-        return self.finish(q, ints, op.out_fmt, self._surrogate(), params)
+        ints = self._element_chain(op)(q.ints)
+        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(), q, params)
+        return to_output(y, op.out_fmt, self.return_quant_tensor, self.training)
+
+    def _element_chain(self, op: NormOp) -> ElementChain:
+        """The fast exact forward of ``op`` (:mod:`qnorm.nn.elementchain`), built once per op."""
+        chain = getattr(self, "_chain", None)
+        if chain is None or chain.op is not op:
+            chain = self._chain = ElementChain(op)
+        return chain
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The unquantized float op on ``x`` with the float γ, β, ε (no rounding, no clip)."""

@@ -52,10 +52,24 @@ def check_finite_float(x: torch.Tensor, name: str = "input") -> None:
         raise ValueError(f"{name} must be a float torch.Tensor or a Brevitas IntQuantTensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"{name} must be a floating-point tensor (or a Brevitas IntQuantTensor), got dtype {x.dtype}")
+    if all_finite(x):  # one cheap reduction on the common path; the failure is named below
+        return
     if torch.isnan(x).any():
         raise ValueError(f"{name} contains NaN; NaN has no fixed-point value")
-    if torch.isinf(x).any():
-        raise ValueError(f"{name} contains Inf; Inf has no fixed-point value")
+    raise ValueError(f"{name} contains Inf; Inf has no fixed-point value")
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of a float tensor is finite, from its extremes alone.
+
+    ``aminmax`` propagates NaN, and every value lies between the extremes, so they are
+    finite exactly when all values are; one fused reduction, several times cheaper on
+    the CPU than ``isfinite(x).all()`` (which materializes a mask first).
+    """
+    if x.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(x.detach())
+    return bool((lo > -math.inf) & (hi < math.inf))
 
 
 def quantize_float(x: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.Tensor]:

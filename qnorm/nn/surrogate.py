@@ -60,6 +60,55 @@ def exact_forward(
     return _ExactSurrogate.apply(ints, float(out_scale), surrogate, q.dequant, q.pass_mask, q.value, *params)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the dequantized input.  Backward: the gradient to the float input, times
+    the quantizer's pass mask (None: passed as it is)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dequant: torch.Tensor, pass_mask: torch.Tensor | None) -> torch.Tensor:
+        ctx.has_mask = pass_mask is not None
+        if ctx.has_mask:
+            ctx.save_for_backward(pass_mask)
+        return dequant.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad * ctx.saved_tensors[0] if ctx.has_mask else grad), None, None
+
+
+class _ExactValue(torch.autograd.Function):
+    """Forward: ``ints * scale`` in the surrogate's dtype.  Backward: the gradient to the
+    surrogate's output, unchanged (the surrogate's own graph carries it on)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, ints: torch.Tensor, out_scale: float) -> torch.Tensor:
+        return ints.to(y.dtype) * out_scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad, None, None
+
+
+def exact_forward_in_graph(
+    ints: torch.Tensor, out_scale: float, surrogate: Surrogate, q: QuantizedInput, params: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """:func:`exact_forward`'s value and gradients, the surrogate evaluated in the forward.
+
+    The surrogate runs once, in the forward's own autograd graph, at the dequantized
+    input (passed through the quantizer's straight-through mask); its output value is
+    then replaced by the exact ``ints * out_scale`` while its gradient flows on.  The
+    gradients are those of :func:`exact_forward` (the same surrogate at the same
+    point), without a second autograd pass inside the backward; the surrogate must
+    not change state, as there.  Without a gradient to compute (no_grad, or nothing
+    requiring one) only the exact value is formed.
+    """
+    value = q.value
+    if not torch.is_grad_enabled() or not (value.requires_grad or any(p.requires_grad for p in params)):
+        return ints.to(value.dtype) * float(out_scale)
+    xd = _StraightThrough.apply(value, q.dequant, q.pass_mask) if value.requires_grad else q.dequant
+    return _ExactValue.apply(surrogate(xd, *params), ints, float(out_scale))
+
+
 def to_output(y: torch.Tensor, fmt: QFormat, quant_tensor: bool, training: bool) -> Output:
     """Float ``y``, or an IntQuantTensor of it (per-tensor scale, zero point 0)."""
     if not quant_tensor:

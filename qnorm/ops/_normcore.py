@@ -407,19 +407,30 @@ def row_affine(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace:
     product wider than the row's own values): x·a − c then equals
     ``num · a / N`` within 1, so a constant row gives exactly 0.
     """
+    a0, c0, up, k = row_affine_parts(s1, r, e, cfg, mult_shift)
+    a = record(trace, "mult", a0 << up)
+    c = record(trace, "offset", c0 << up) if cfg.centered else 0
+    return a, c, record(trace, "z_shift", k)
+
+
+def row_affine_parts(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`row_affine` before its exact left shift: ``(a0, c0, up, K)`` with
+    ``a = a0 · 2^up`` and ``c = c0 · 2^up`` (c0 = 0 for an uncentered numerator).
+
+    Where up > 0 the row's K is 0 (up = j_r − K0 only where K0 < j_r = 0), so
+    ``z = x·a − c = (x·a0 − c0) · 2^up``: a per-element path may run the narrower
+    ``x·a0 − c0`` and shift its z left (:mod:`qnorm.nn.elementchain` does)."""
     mode = cfg.rounding
     k0 = e + z_shift_base(cfg)
     jr = clamp(k0, 0, mult_shift)
     up = clamp(jr - k0, 0, 62)  # 2^-(K0 − j_r) folded into a and c where K0 < j_r
     a0 = rshift_round(r * cfg.num_mult, jr, mode)
-    a = record(trace, "mult", a0 << up)
     if cfg.centered:
         m = div_round(s1, cfg.n, Round.FLOOR)
-        c = record(trace, "offset", (a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)) << up)
+        c0 = a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)
     else:
-        c = 0
-    k = record(trace, "z_shift", k0 - jr + up)
-    return a, c, k
+        c0 = 0
+    return a0, c0, up, k0 - jr + up
 
 
 def z_shift_base(cfg: NormConfig) -> int:
@@ -625,7 +636,32 @@ def _row_fields(cfg_cls: type[NormConfig]) -> tuple[str, ...]:
 
 def row_key(cfg: NormConfig) -> tuple[Any, ...]:
     """The hashable structural key of ``cfg``'s row analysis: the config class, the
-    input's bit width and signedness, and every field but the output stage's."""
+    input's bit width and signedness, and every field but the output stage's.
+
+    **ε_int is in the key exactly, not by an interval or a coarser quantity.**  A
+    calibrating QAT layer's input scale moves every training step, and with it
+    ε_int = round(ε N²/s_in² · 4^g) (at 2^-16 resolution), so its analysis misses
+    the cache every step.  Could one analysis serve an interval [ε1, ε2] of ε_int?
+    As a proof, yes: every row with ε in it satisfies |num|^p <= κ(W − ε1) and has
+    W in [S_lo 4^g + ε1, S_hi 4^g + ε2], so the analysis of that relation and range
+    is sound for all of them.  But the row analysis does not only prove a config
+    safe, it *defines* constants of the op: j (:func:`mult_shift`, the smallest
+    shift the analysis proves), the z bound that clips each B_c (a recorded
+    constant) and sets the output window, and the report's entries.  The interval's
+    bounds are looser than each exact ε's, so at its edges the smallest provable j
+    can be one larger and z's bound differs: other integers and constants, i.e. a
+    different definition (golden vectors and checkpoints would no longer re-derive),
+    not a cache.  A coarser key whose every ε provably gives the *same* analysis
+    would need the computed bounds to be monotone in ε.  They are for every exponent
+    segment but the top one (on the others the relation's sup over the segment
+    only falls as ε grows, and the integer roots and floors applied to it keep
+    that order), while the top segment's upper end S_hi 4^g + ε grows with ε (a new
+    top exponent can even appear), and the recorded bounds move with ε anyway.  So
+    the exact ε_int stays in the key: a training step whose calibrated scale
+    moved pays one exact analysis (the bisection in :func:`mult_shift` and
+    :func:`shifts_of`'s once-per-config base keep it short), and every forward
+    whose scale did not move — a fixed ``in_fmt``, a power-of-two scale (``pow2``),
+    an IntQuantTensor's scale, eval — hits."""
     return (type(cfg), cfg.in_fmt.bits, cfg.in_fmt.signed, *(getattr(cfg, f) for f in _row_fields(type(cfg))))
 
 
@@ -850,13 +886,18 @@ class NormOp(IntOp):
 
     def _forward(self, x: Any, trace: Trace | None) -> Any:
         cfg = self.config
+        a, c, k = row_affine(*self.row_inverse(x, trace), cfg, self._mult_shift, trace)
+        z = normalize(x, a, c, k, cfg, trace)
+        return self._output(z, trace)
+
+    def row_inverse(self, x: Any, trace: Trace | None = None) -> tuple[Any, Any, Any]:
+        """Stages 1 and 2 per row: ``(Σx or None, r, e)``, what :func:`row_affine`
+        (or :func:`row_affine_parts`) turns into the row's multiplier and offset."""
+        cfg = self.config
         s, s1 = self._statistic(x, trace)
         w = add_eps(s, cfg, trace)
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
-        r = self._inverse(m, trace)
-        a, c, k = row_affine(s1, r, e, cfg, self._mult_shift, trace)
-        z = normalize(x, a, c, k, cfg, trace)
-        return self._output(z, trace)
+        return s1, self._inverse(m, trace), e
 
     def _scale(self, zc: Any) -> Any:
         return zc * const_like(zc, self._gain)
@@ -958,9 +999,9 @@ class NormOp(IntOp):
         if rep is not None:
             xa = xa_bound(cfg, products, j)
             rep.add("xa", Interval(-xa, xa))
-        t, d = 0, cfg.inv_frac_bits - cfg.frac_bits
+        t, d, base = 0, cfg.inv_frac_bits - cfg.frac_bits, z_shift_base(cfg)
         for e, (*_, pb) in products.items():
-            jr, _, k = row_shifts(cfg, e, j)
+            jr, _, k = shifts_of(e + base, j)
             # pb / 2^d, plus the datapath's error: a and c rounded (j_r > 0, then K >= 0)
             # and z rounded (K > 0); floor of one integer quotient
             err = span_of(cfg) + 1 if jr else 0
@@ -1045,10 +1086,10 @@ class NormOp(IntOp):
         return (normalized * g + b).numpy()
 
 
-def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
-    """(j_r, up, K) of a row with exponent e (:func:`row_affine`): the multiplier's
-    right shift, the left shift folded into a and c, and z's right shift."""
-    k0 = e + z_shift_base(cfg)
+def shifts_of(k0: int, j: int) -> tuple[int, int, int]:
+    """(j_r, up, K) of a row with K0 = e + :func:`z_shift_base` (:func:`row_affine`):
+    the multiplier's right shift, the left shift folded into a and c, and z's right
+    shift.  (The analysis forms the base once per config.)"""
     jr = min(max(k0, 0), j)
     up = max(jr - k0, 0)
     return jr, up, k0 - jr + up
@@ -1056,20 +1097,40 @@ def row_shifts(cfg: NormConfig, e: int, j: int) -> tuple[int, int, int]:
 
 def mult_shift(cfg: NormConfig, products: dict[int, tuple[int, int, int]]) -> int:
     """j: the smallest cap of the per-row multiplier shift that keeps
-    ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom)."""
+    ``xa = x·a − c`` inside the lanes (less a bit of rounding headroom).
+
+    Found by bisection over j >= 1 after trying j = 0, which gives the same j as
+    trying 0, 1, 2, … in turn: from j = 1 on, :func:`xa_bound` never grows with j.
+    A row with K0 <= 0 has j_r = 0 whatever j is (its term is constant); one with
+    K0 >= 1 has j_r = min(K0, j) >= 1, up = 0 and the term
+    ``|num r| / 2^j_r + span + 1``, which only shrinks as j_r grows.  (From 0 to 1
+    the bound can grow: the ``span + 1`` of the rounded a and c appears.)
+    """
     limit = 1 << (cfg.lanes - 2)
-    for j in range(63):
-        if xa_bound(cfg, products, j) < limit:
-            return j
-    raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+
+    def fits(j: int) -> bool:
+        return xa_bound(cfg, products, j) < limit
+
+    if fits(0):
+        return 0
+    lo, hi = 1, 62
+    if not fits(hi):
+        raise OverflowRiskError(f"{cfg.n}-element rows do not fit a {cfg.lanes}-bit datapath at any multiplier shift")
+    while lo < hi:  # fits(hi) holds; the answer lies in [lo, hi]
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def xa_bound(cfg: NormConfig, products: dict[int, tuple[int, int, int]], j: int) -> int:
     """max |x·a − c| over the row's exponents: |num·r| 2^up / 2^j_r, plus span + 1
     where a and c are rounded (j_r > 0; exact otherwise)."""
-    span, out = span_of(cfg), 0
+    span, base, out = span_of(cfg), z_shift_base(cfg), 0
     for e, (num, den, _) in products.items():
-        jr, up, _ = row_shifts(cfg, e, j)
+        jr, up, _ = shifts_of(e + base, j)
         out = max(out, (num << up) // (den << jr) + (span + 1 if jr else 0))
     return out
 
@@ -1085,7 +1146,8 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
 
     The per-element product x·a runs in the lanes modulo 2^lanes where a is wider
     than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
-    shifts = [row_shifts(cfg, e, j) for e in segs]
+    base = z_shift_base(cfg)
+    shifts = [shifts_of(e + base, j) for e in segs]
     nr = inv * cfg.num_mult
     mults = [(nr.rshift(jr, cfg.rounding), up) for jr, up in sorted({(jr, up) for jr, up, _ in shifts})]
     rep.add("mult", Interval(min(m.lo << up for m, up in mults), max(m.hi << up for m, up in mults)))

@@ -1,0 +1,123 @@
+"""The QAT norm layers' fast exact forward on the CPU: the golden op's integers in fewer steps.
+
+A norm's integer body (:meth:`qnorm.ops._normcore.NormOp._forward`) on torch int64
+tensors costs ~60 eager operations, most of them on per-row vectors of a few hundred
+values, where each torch call's fixed cost dominates.  :class:`ElementChain` splits
+the same computation where the cost lies:
+
+* **Per row, on numpy**: the golden op's own stages 1–3 (:meth:`NormOp.row_inverse`
+  and :func:`row_affine_parts`) on the input's int64 array — a CPU tensor and its
+  numpy view share memory, and a numpy call on a few hundred values costs a
+  microsecond where a torch call costs several.  These are the definition's own
+  functions, so the per-row constants are the golden op's by construction.
+* **Per element, on torch, fused under the default rounding (half up)**: the
+  rounding half of ``z = round((x·a − c) / 2^K)`` and of ``y = round(acc / 2^s)``
+  is folded into the row offset and the channel bias (``(v + 2^(K−1)) >> K`` is
+  half up, exactly), so the chain is
+
+      z = ((x·a0 − (c0 − h_K)) >> K) << up,   zc = clamp(z, lo_c, hi_c) − off_c,
+      y = sat((zc·m_c + (b_c + h_s)) >> s)
+
+  with ``a = a0·2^up``, ``c = c0·2^up`` (:func:`row_affine_parts`: K = 0 wherever
+  up > 0, so this is ``rshift_round(x·a − c, K)``) and the output window of the
+  op (:class:`~qnorm.ops._normcore.OutputWindow`).  ShiftLayerNorm's ``·m_c`` is its
+  shift-and-negate by ±2^l, the same integer.
+* **Lanes**: int32 where every operand and result is proven below 2^31 — the
+  window stages by the op's own lane check (``lanes = 32``: each fits 31 bits), the
+  row stage by the bound :func:`_row_stage_bound` proves from the op's range report
+  — else int64.  int32 halves the memory each step touches.
+
+Other tie rules, and devices other than the CPU, run the golden body itself (numpy
+on the CPU, torch elsewhere).  ``tests/test_nn_elementchain.py`` checks the chain
+against the golden op on rows reaching the analysis' extremes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from qnorm import fixedpoint as fp
+from qnorm.fixedpoint import Round
+from qnorm.ops._normcore import NormOp, row_affine_parts
+
+INT32_LIMIT = 1 << 31
+
+
+def _row_stage_bound(op: NormOp) -> int:
+    """A bound on every value of the row stage ``x·a0``, ``c0 − h_K`` and their
+    difference, from the op's range report.
+
+    ``a0 = round(N_c · r / 2^j_r) <= N_c · r_max`` (N_c = N for a centered numerator,
+    else 1; exact at j_r = 0, at most N_c r / 2 + 1 <= N_c r for j_r >= 1, r > 1);
+    ``c0 = a0·m + round(D·a0/N)`` with ``m = floor(Σx / N)`` in the input's range and
+    ``0 <= D < N``, so ``|c0| <= a0 (X + 1)`` with X = max |x|; the half
+    ``h_K < 2^K_max``.  A row shift of 31 or more counts as too wide for int32 (a
+    shift by the lane width or more is not a plain arithmetic shift everywhere).
+    """
+    cfg = op.config
+    rep = dict(type(op).row_analysis(cfg).items)  # cached per row key: no analysis runs here
+    a0 = rep[op.inverse_name].hi * cfg.num_mult
+    x = max(-cfg.in_fmt.lo, cfg.in_fmt.hi)
+    k_max = rep["z_shift"].hi
+    if k_max >= 31:
+        return INT32_LIMIT
+    c0 = a0 * (x + 1) + (1 << k_max) if cfg.centered else 1 << k_max
+    return x * a0 + c0
+
+
+class ElementChain:
+    """The exact integer forward of one golden norm op, fused where it is proven equal."""
+
+    def __init__(self, op: NormOp) -> None:
+        cfg = op.config
+        self.op = op
+        self.fused = cfg.rounding is Round.HALF_UP
+        narrow = cfg.lanes == 32 and _row_stage_bound(op) < INT32_LIMIT
+        self.dtype = torch.int32 if narrow else torch.int64
+        win = op._window
+        wide_window = any(v.dtype == object for v in (win.lo, win.hi, win.off, win.bias))
+        self.fused = self.fused and not wide_window
+        if not self.fused:
+            return
+        half_s = (1 << cfg.shift) >> 1
+
+        def channel(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.dtype)
+
+        self._lo, self._hi, self._off = channel(win.lo), channel(win.hi), channel(win.off)
+        self._gain, self._bias = channel(op._gain), channel(win.bias + half_s)
+        self._shift = cfg.shift
+        self._out = (cfg.out_fmt.lo, cfg.out_fmt.hi)
+
+    def __call__(self, ints: torch.Tensor) -> torch.Tensor:
+        """The op's integers for int64 ``ints`` (rows on the last axis, inside its
+        input format): int32 or int64, equal to ``op._forward(ints)``."""
+        if ints.device.type != "cpu":
+            with fp.proven_ranges():
+                return self.op._forward(ints, None)
+        x = ints.contiguous().numpy()
+        with fp.proven_ranges():
+            if not self.fused:
+                return torch.from_numpy(self.op._forward(x, None))
+            s1, r, e = self.op.row_inverse(x)
+            a0, c0, up, k = row_affine_parts(s1, r, e, self.op.config, self.op._mult_shift)
+        return self._elements(ints, a0, c0, up, k)
+
+    def _elements(self, ints: torch.Tensor, a0: np.ndarray, c0: np.ndarray | int, up: np.ndarray,
+                  k: np.ndarray) -> torch.Tensor:  # fmt: skip
+        """Stages 3 and 4 per element, the rounding halves folded into c0 and the bias."""
+        np_dtype = np.int32 if self.dtype == torch.int32 else np.int64
+        offset = c0 - ((np.int64(1) << k) >> 1)
+        x = ints.to(self.dtype)
+        z = x * torch.from_numpy(a0.astype(np_dtype))
+        z -= torch.from_numpy(offset.astype(np_dtype))
+        z >>= torch.from_numpy(k.astype(np_dtype))
+        if up.any():
+            z <<= torch.from_numpy(up.astype(np_dtype))
+        zc = torch.clamp(z, self._lo, self._hi)
+        zc -= self._off
+        zc *= self._gain
+        zc += self._bias
+        zc >>= self._shift
+        return zc.clamp_(*self._out)
