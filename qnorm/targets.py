@@ -37,6 +37,8 @@ ALIASES = {"x86": "x86_64"}  # other names a command line may use for a target
 # What `qnorm compile` makes for each target it supports; any other target is refused.
 COMPILE_TARGETS = {
     "x86_64": "the host CPU: the whole model",
+    "aarch64": "the whole model as a C library and runner, no TVM runtime",
+    "riscv64": "the whole model as a C library and runner, no TVM runtime",
     "fpga-hls": "one HLS project per qnorm layer",
 }
 
