@@ -64,6 +64,8 @@ ARCH_MACROS = {
     "aarch64": "defined(__aarch64__)",
     "riscv64": "defined(__riscv) && __riscv_xlen == 64",
 }
+# ELF e_machine of each target's executables (the runner names its architecture).
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 243: "riscv64"}
 # The runtime entry points model_runtime.c installs (TVM's context pointers).
 _PROVIDED = frozenset(
     {"__TVMBackendAllocWorkspace", "__TVMBackendFreeWorkspace", "__TVMBackendParallelLaunch",
@@ -402,6 +404,15 @@ class CApiModel:
         if done.returncode != 0:
             raise CApiError(f"{self.target.name}: `{shlex.join(cmd)}` exited with status {done.returncode}: "
                             f"{done.stderr.strip() or '(no message)'}")  # fmt: skip
+
+    def runner_machine(self) -> str:
+        """The architecture the runner's ELF header names (without running it)."""
+        with open(self.runner, "rb") as f:
+            head = f.read(20)
+        if len(head) < 20 or head[:4] != b"\x7fELF" or head[5] != 1:
+            raise CApiError(f"{self.runner} is not a little-endian ELF executable")
+        machine = int.from_bytes(head[18:20], "little")
+        return ELF_MACHINES.get(machine, f"ELF machine {machine}")
 
     def built_for(self) -> str:
         """The target the library itself names (``qnorm_run --info``)."""

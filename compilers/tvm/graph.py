@@ -33,13 +33,19 @@ is :func:`compilers.tvm.reproducible.relax_pipeline`, which fixes the one order
 TVM leaves to chance.
 
 :meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
-formats, versions, the library's SHA-256, the source checkpoint, as
+formats, target, datapath, versions, the library's SHA-256, the source checkpoint, as
 :func:`qnorm.train.compiled.compile_checkpoint` records it);
 :func:`load_compiled` refuses a directory whose library does not match.
+
+**Boards.**  A cross target (aarch64, riscv64), or x86_64 with ``c_api_requested``,
+gets the C API of :mod:`compilers.tvm.c_api` instead of a VM library: the same Relax
+module as a static library, header and runner that need no TVM runtime
+(``model.json``'s ``artifact`` is ``"c-api"``; its ``files`` record each file's SHA-256).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -66,6 +72,7 @@ from compilers.tvm import c_api
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
 from compilers.tvm.reproducible import relax_pipeline
+from compilers.tvm.schedules import CPU, Schedule
 from qnorm.deploy import (
     ExactnessReport,
     export,
@@ -120,19 +127,20 @@ def artifact_kind(target: Target, c_api_requested: bool) -> str:
 # --------------------------------------------------------------------------- export -> Relax
 
 
-def to_relax(program: torch.export.ExportedProgram) -> tvm.IRModule:
-    """The decomposed ``program`` as a Relax module; qnorm ops call their kernels."""
+def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) -> tvm.IRModule:
+    """The decomposed ``program`` as a Relax module; qnorm ops call their kernels,
+    laid out by ``schedule`` (the CPU's, or the GPU's for a device target)."""
     return from_exported_program(
         program,
-        custom_convert_map={"int_op.default": _convert_int_op},
+        custom_convert_map={"int_op.default": functools.partial(_convert_int_op, schedule=schedule)},
         run_ep_decomposition=False,  # qnorm.deploy.export decomposed it (the proof saw that graph)
         unwrap_unit_return_tuple=True,
     )
 
 
-def _convert_int_op(node: torch.fx.Node, importer: Any) -> relax.Expr:
+def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> relax.Expr:
     info = int_op_info(node.args[1])
-    kernel = kernel_for(info.op)
+    kernel = kernel_for(info.op, schedule)
     bb = importer.block_builder
     name = "qnorm_" + "".join(c if c.isalnum() else "_" for c in info.name)
     x = importer.env[node.args[0]]
@@ -366,7 +374,8 @@ def _load_c_api(directory: Path, meta: dict[str, Any], start: float) -> c_api.CA
             raise ValueError(f"compiled model {directory}: {file} is corrupt or not the one {METADATA} describes "
                              "(its sha256 differs)")  # fmt: skip
     model = c_api.CApiModel(directory, meta, load_target(name), True, 0.0, digests)
-    built = model.built_for()
+    machine = model.runner_machine()
+    built = model.built_for() if machine == name else machine
     if built != name:
         raise ValueError(f"compiled model {directory}: {METADATA} says {name}, but its library was compiled for "
                          f"{built}")  # fmt: skip

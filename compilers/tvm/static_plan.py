@@ -30,7 +30,7 @@ from tvm import relax, tirx
 from qnorm.errors import DeployError
 
 ALIGN = 64  # TVM's kernels assume 64-byte aligned buffers
-BATCH = 1  # the batch the plan computes: C loops over samples
+BATCH = 1  # the batch a C plan computes: C loops over samples
 
 
 @dataclass(frozen=True)
@@ -68,18 +68,18 @@ class StaticPlan:
     constants: bytes  # the constant buffers' bytes (little endian), at their offsets
 
 
-def plan_static(mod: tvm.IRModule, symbol_prefix: str) -> StaticPlan:
-    """The batch-1 plan of ``mod`` (a :func:`compilers.tvm.graph.to_relax` module);
-    kernels get C symbols ``symbol_prefix + name``."""
+def plan_static(mod: tvm.IRModule, symbol_prefix: str, batch: int = BATCH) -> StaticPlan:
+    """The plan of ``mod`` (a :func:`compilers.tvm.graph.to_relax` module) for ``batch``
+    samples at a time; kernels get the symbols ``symbol_prefix + name``."""
     bound = tvm.IRModule(dict(mod.functions))  # the same global vars: the calls still find their kernels
-    bound["main"] = _bind_batch(mod["main"])
+    bound["main"] = _bind_batch(mod["main"], batch)
     mod = relax.transform.LegalizeOps()(bound)
     main = mod["main"]
     return _Planner(mod, symbol_prefix).plan(main)
 
 
-def _bind_batch(main: relax.Function) -> relax.Function:
-    """``main`` with its batch dimension (dimension 0 of its one input) fixed to 1."""
+def _bind_batch(main: relax.Function, value: int) -> relax.Function:
+    """``main`` with its batch dimension (dimension 0 of its one input) fixed to ``value``."""
     if len(main.params) != 1:
         raise DeployError(f"a static plan takes models with one input, this one has {len(main.params)}")
     shape = main.params[0].ty.shape
@@ -90,7 +90,7 @@ def _bind_batch(main: relax.Function) -> relax.Function:
             f"a static plan needs exactly one symbolic dimension, the input's batch; the input is {shape} and "
             f"the symbolic variables are {[str(v) for v in symbolic]}"
         )
-    return main.bind_symbolic_vars({batch: BATCH})
+    return main.bind_symbolic_vars({batch: value})
 
 
 def _static_shape(ty: object, what: str) -> tuple[tuple[int, ...], str]:
@@ -100,7 +100,7 @@ def _static_shape(ty: object, what: str) -> tuple[tuple[int, ...], str]:
     dims = []
     for d in shape:
         if not isinstance(d, tirx.IntImm):
-            raise DeployError(f"{what}: shape {shape} is not static after fixing the batch to {BATCH}")
+            raise DeployError(f"{what}: shape {shape} is not static after fixing the batch")
         dims.append(int(d.value))
     return tuple(dims), str(ty.dtype)
 
