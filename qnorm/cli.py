@@ -156,7 +156,7 @@ def _compile(args: argparse.Namespace) -> int:
     print(f"  {state} for {target_meta['name']} ({cpu}) in {compiled.seconds:.2f} s")
     if "files" in meta:  # the C API
         print(f"  wrote {', '.join(str(out / name) for name in meta['files'])} and {out / 'model.json'}")
-        print(f"  C API: {meta['input']['dtype']} input {meta['input']['shape'][1:]} "
+        print(f"  integers: {meta['input']['dtype']} input {meta['input']['shape'][1:]} "
               f"(x = k * {meta['input']['format']['scale']!r}) -> int32 output {meta['output']['shape'][1:]} "
               f"(y = k * 2^{meta['output']['format']['grid_exp']})")  # fmt: skip
     else:
@@ -187,7 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         raise DeployError(str(err)) from err
     predicted = classes(outputs)
     meta = model.metadata
-    where = "natively" if model.metadata["target"]["name"] == "x86_64" else f"under {meta['target']['name']} emulation"
+    name = meta["target"]["name"]
+    where = {"x86_64": "natively", "opencl": "on the OpenCL device"}.get(name, f"under {name} emulation")
     print(f"{args.dir}: {meta['target']['name']} model, {len(outputs)} sample(s) run {where}; "
           f"outputs are integers k, y = k * 2^{meta['output']['format']['grid_exp']}")  # fmt: skip
     if args.output is not None:

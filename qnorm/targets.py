@@ -39,6 +39,7 @@ COMPILE_TARGETS = {
     "x86_64": "the host CPU: the whole model",
     "aarch64": "the whole model as a C library and runner, no TVM runtime",
     "riscv64": "the whole model as a C library and runner, no TVM runtime",
+    "opencl": "the whole model as one OpenCL program and launch plan",
     "fpga-hls": "one HLS project per qnorm layer",
 }
 

@@ -28,7 +28,6 @@ import hashlib
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -42,6 +41,12 @@ import tvm.libinfo
 import tvm_ffi.libinfo
 
 from compilers.cache import sha256_file
+from compilers.tvm.artifacts import (
+    check_input_integers,
+    output_scale,
+    quantize_input,
+    save_files,
+)
 from compilers.tvm.build import tvm_target
 from compilers.tvm.static_plan import ALIGN, StaticPlan, plan_static
 from qnorm.errors import DeployError
@@ -344,27 +349,14 @@ class CApiModel:
     def runner(self) -> Path:
         return self.directory / RUNNER
 
-    @property
-    def input_range(self) -> tuple[int, int]:
-        lo, hi = self.metadata["input"]["range"]
-        return int(lo), int(hi)
-
     def quantize(self, x: np.ndarray) -> np.ndarray:
-        """The integers the model's first quantizer makes of float ``x``: ``clamp(round(x / s))``
-        in float32, ties to even, as the exported graph computes them."""
-        x = np.asarray(x)
-        if x.dtype != np.float32:
-            raise ValueError(f"float input must be float32 (as the model takes it), got {x.dtype}")
-        if not np.isfinite(x).all():
-            raise ValueError("input contains NaN or Inf: no fixed-point value (the QAT model refuses them too)")
-        lo, hi = self.input_range
-        k = np.clip(np.rint(x / np.float32(self.metadata["input"]["format"]["scale"])), lo, hi)
-        return k.astype(self.metadata["input"]["dtype"])
+        """The integers the model's first quantizer makes of float32 ``x`` (see :mod:`.artifacts`)."""
+        return quantize_input(self.metadata, x)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Float32 input to float32 output, like :class:`compilers.tvm.graph.CompiledModel`."""
         out = self.run_ints(self.quantize(x))
-        return (out.astype(np.float64) * self.metadata["output"]["format"]["scale"]).astype(np.float32)
+        return (out.astype(np.float64) * output_scale(self.metadata)).astype(np.float32)
 
     def command(self, inputs: Path, outputs: Path) -> list[str]:
         """The runner's command line on this machine (under qemu-user for a cross target)."""
@@ -374,18 +366,10 @@ class CApiModel:
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
-        k = np.asarray(k)
-        want = self.metadata["input"]["shape"][1:]
-        if k.ndim != len(want) + 1 or list(k.shape[1:]) != want or k.shape[0] < 1:
-            raise ValueError(f"the model takes integers of shape (batch, {', '.join(map(str, want))}), got {k.shape}")
-        dtype = np.dtype(self.metadata["input"]["dtype"])
-        lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
-        if k.dtype.kind not in "iu" or (k.size and (k.min() < lo or k.max() > hi)):
-            raise ValueError(f"the model takes {dtype} integers, got {k.dtype} values outside [{lo}, {hi}]"
-                             if k.dtype.kind in "iu" else f"the model takes {dtype} integers, got {k.dtype}")
+        k = check_input_integers(self.metadata, k)
         with tempfile.TemporaryDirectory(prefix="qnorm-run-") as tmp:
             inputs, outputs = Path(tmp) / "input.npy", Path(tmp) / "output.npy"
-            np.save(inputs, np.ascontiguousarray(k.astype(dtype.newbyteorder("<"))))
+            np.save(inputs, np.ascontiguousarray(k.astype(k.dtype.newbyteorder("<"))))
             cmd = self.command(inputs, outputs)
             self._execute(cmd)
             if not outputs.exists():
@@ -431,22 +415,6 @@ class CApiModel:
         return first.split(" ", 1)[1]
 
     def save(self, directory: str | Path, source: dict[str, Any] | None = None) -> Path:
-        """Copy the library, header and runner into ``directory`` (created) and write
-        ``model.json``; ``source`` describes where the model came from."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        files = {}
-        for name in FILES:
-            path = directory / name
-            shutil.copy2(self.directory / name, path)
-            digest = sha256_file(path)
-            if self.digests and digest != self.digests.get(name):
-                path.unlink()
-                raise ValueError(f"{self.directory / name} changed since it was checked (sha256 {digest}, expected "
-                                 f"{self.digests.get(name)}): compile again")  # fmt: skip
-            files[name] = {"bytes": path.stat().st_size, "sha256": digest}
-        meta = {**self.metadata, "files": files}
-        if source is not None:
-            meta["source"] = source
-        (directory / "model.json").write_text(json.dumps(meta, indent=2, allow_nan=False) + "\n")
-        return directory
+        """Copy the model's files into ``directory`` (created) and write ``model.json``;
+        ``source`` describes where the model came from."""
+        return save_files(self.directory, FILES, self.digests, self.metadata, directory, source)

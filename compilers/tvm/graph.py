@@ -68,9 +68,10 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers import cache
 from compilers.cache import sha256_file
-from compilers.tvm import c_api
+from compilers.tvm import c_api, opencl_model
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.kernels import kernel_for
+from compilers.tvm.gpu import GPU
 from compilers.tvm.reproducible import relax_pipeline
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.deploy import (
@@ -97,6 +98,7 @@ INDEX = "index.json"  # a model key's cache entry: the library key and the metad
 _KEY_FORMAT = 2  # bump when a key recipe or the cache layout changes
 HOST_TARGETS = ("x86_64",)  # where a Relax VM library (model.so) runs: this machine
 C_API_TARGETS = tuple(c_api.ARCH_MACROS)  # where the C API (a static library and runner) builds
+OPENCL_TARGETS = ("opencl",)  # an OpenCL program and launch plan (compilers.tvm.opencl_model)
 VM_ARTIFACT = "relax-vm"
 _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
 _SOURCE_PACKAGES = ("qnorm", "compilers")
@@ -109,14 +111,16 @@ def compile_target(target: str | Target) -> Target:
     ``compile`` supports it yet."""
     if isinstance(target, str):
         target = load_target(target_name(target))  # unknown: its error lists the known targets
-    if target.name not in HOST_TARGETS + C_API_TARGETS:
+    if target.name not in HOST_TARGETS + C_API_TARGETS + OPENCL_TARGETS:
         raise not_compiled_for(target.name)
     return target
 
 
 def artifact_kind(target: Target, c_api_requested: bool) -> str:
-    """What compile builds for ``target``: a Relax VM library for this machine, or the
-    C API (always for a cross target: a board has no TVM runtime)."""
+    """What compile builds for ``target``: a Relax VM library for this machine, the C API
+    (always for a cross target: a board has no TVM runtime), or an OpenCL program."""
+    if target.name in OPENCL_TARGETS and not c_api_requested:
+        return opencl_model.ARTIFACT
     if target.name in HOST_TARGETS and not c_api_requested:
         return VM_ARTIFACT
     if target.name not in C_API_TARGETS:
@@ -275,15 +279,20 @@ def compile_model(
     frozen = freeze(model)
     program = export(frozen, example)
     report = prove_exact(program)
-    mod = to_relax(program)
+    mod = to_relax(program, GPU if kind == opencl_model.ARTIFACT else CPU)
     key = relax_key(mod, target)
     metadata = _metadata(program, report, target, key)
     if kind == c_api.ARTIFACT:
-        metadata, api = _c_api_metadata(metadata, program)
+        metadata, api = _integer_metadata(metadata, program, kind)
         key = c_api.artifact_key(key)
         version = f"qnorm {metadata['versions']['qnorm']}, TVM {tvm.__version__}, model {key[:16]}"
         metadata["cache_key"] = key
         library = cache.cached(_library_entry(key), lambda d: c_api.build_c_api(mod, target, api, version, d))
+    elif kind == opencl_model.ARTIFACT:
+        metadata, _ = _integer_metadata(metadata, program, kind)
+        key = opencl_model.artifact_key(key)
+        metadata["cache_key"] = key
+        library = cache.cached(_library_entry(key), lambda d: opencl_model.build_opencl(mod, target, d))
     else:
         library = cache.cached(_library_entry(key), lambda d: _build_library(mod, target, d / LIBRARY))
     if index is not None:
@@ -294,29 +303,35 @@ def compile_model(
 
 def _compiled(
     kind: str, library: cache.Entry, metadata: dict[str, Any], target: Target, start: float
-) -> CompiledModel | c_api.CApiModel:
+) -> CompiledModel | c_api.CApiModel | opencl_model.OpenCLModel:
     seconds = time.perf_counter() - start
-    if kind == c_api.ARTIFACT:
-        return c_api.CApiModel(library.path, metadata, target, library.hit, seconds, library.digests)
+    if kind in _INTEGER_ARTIFACTS:
+        return _INTEGER_ARTIFACTS[kind](library.path, metadata, target, library.hit, seconds, library.digests)
     return CompiledModel(library / LIBRARY, metadata, library.hit, seconds, library.digests[LIBRARY])
 
 
-def _c_api_metadata(
-    metadata: dict[str, Any], program: torch.export.ExportedProgram
+_INTEGER_ARTIFACTS = {c_api.ARTIFACT: c_api.CApiModel, opencl_model.ARTIFACT: opencl_model.OpenCLModel}
+_ARTIFACT_FILES = {c_api.ARTIFACT: c_api.FILES, opencl_model.ARTIFACT: opencl_model.FILES}
+
+
+def _integer_metadata(
+    metadata: dict[str, Any], program: torch.export.ExportedProgram, kind: str
 ) -> tuple[dict[str, Any], c_api.Interface]:
-    """``metadata`` of a C-API build: integer input (the first quantizer's range) and output."""
+    """``metadata`` of an artifact with integer input (the first quantizer's range) and output."""
     quantizer = input_quantizer(program)
     api = c_api.interface(metadata, None if quantizer is None else quantizer[1:])
     metadata = {
         **metadata,
-        "artifact": c_api.ARTIFACT,
+        "artifact": kind,
         "input": {**metadata["input"], "dtype": api.input_dtype, "range": list(api.input_range)},
         "output": {**metadata["output"], "dtype": "int32"},
     }
     return metadata, api
 
 
-def load_compiled(directory: str | Path, target: str | None = None) -> CompiledModel | c_api.CApiModel:
+def load_compiled(
+    directory: str | Path, target: str | None = None
+) -> CompiledModel | c_api.CApiModel | opencl_model.OpenCLModel:
     """Load a directory written by :meth:`CompiledModel.save` or :meth:`c_api.CApiModel.save`,
     refusing a corrupt or foreign one, and one not compiled for ``target`` when given."""
     start = time.perf_counter()
@@ -331,14 +346,14 @@ def load_compiled(directory: str | Path, target: str | None = None) -> CompiledM
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"compiled model {directory}: {METADATA} is not a {FORMAT} version {VERSION} file")
     kind = meta.get("artifact", VM_ARTIFACT)
-    for key in ("input", "output", "target", "versions", "files" if kind == c_api.ARTIFACT else "library"):
+    for key in ("input", "output", "target", "versions", "files" if kind in _INTEGER_ARTIFACTS else "library"):
         if not isinstance(meta.get(key), dict):
             raise ValueError(f"compiled model {directory}: {METADATA} lacks a valid {key!r} entry")
     built_for = meta["target"].get("name")
     if target is not None and target_name(target) != built_for:
         raise ValueError(f"compiled model {directory} was compiled for {built_for}, not {target_name(target)}")
-    if kind == c_api.ARTIFACT:
-        return _load_c_api(directory, meta, start)
+    if kind in _INTEGER_ARTIFACTS:
+        return _load_integer_artifact(directory, meta, kind, start)
     if kind != VM_ARTIFACT:
         raise ValueError(f"compiled model {directory}: unknown artifact {kind!r} in {METADATA}")
     if built_for not in HOST_TARGETS:
@@ -358,14 +373,16 @@ def load_compiled(directory: str | Path, target: str | None = None) -> CompiledM
     return CompiledModel(library, meta, True, time.perf_counter() - start, meta["library"]["sha256"])
 
 
-def _load_c_api(directory: Path, meta: dict[str, Any], start: float) -> c_api.CApiModel:
-    """A saved C-API model, its files checked against ``model.json`` and the target its
-    library names checked against the one ``model.json`` names."""
+def _load_integer_artifact(
+    directory: Path, meta: dict[str, Any], kind: str, start: float
+) -> c_api.CApiModel | opencl_model.OpenCLModel:
+    """A saved C-API or OpenCL model, its files checked against ``model.json``; a C API's
+    library must name the target ``model.json`` names."""
     name = meta["target"].get("name")
-    if name not in C_API_TARGETS:
-        raise ValueError(f"compiled model {directory}: {METADATA} names target {name!r}, which has no C API")
+    if name not in (C_API_TARGETS if kind == c_api.ARTIFACT else OPENCL_TARGETS):
+        raise ValueError(f"compiled model {directory}: {METADATA} names target {name!r}, which has no {kind} build")
     digests = {}
-    for file in c_api.FILES:
+    for file in _ARTIFACT_FILES[kind]:
         path, record = directory / file, meta["files"].get(file)
         if not path.is_file() or not isinstance(record, dict):
             raise ValueError(f"compiled model {directory}: missing {file}")
@@ -373,6 +390,8 @@ def _load_c_api(directory: Path, meta: dict[str, Any], start: float) -> c_api.CA
         if digests[file] != record.get("sha256"):
             raise ValueError(f"compiled model {directory}: {file} is corrupt or not the one {METADATA} describes "
                              "(its sha256 differs)")  # fmt: skip
+    if kind == opencl_model.ARTIFACT:
+        return opencl_model.OpenCLModel(directory, meta, load_target(name), True, time.perf_counter() - start, digests)
     model = c_api.CApiModel(directory, meta, load_target(name), True, 0.0, digests)
     machine = model.runner_machine()
     built = model.built_for() if machine == name else machine

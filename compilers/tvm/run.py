@@ -1,6 +1,6 @@
 """Run a compiled model on an array, whatever it was compiled into: output integers.
 
-Both artifacts of :func:`compilers.tvm.graph.compile_model` take either
+Every artifact of :func:`compilers.tvm.graph.compile_model` takes either
 
 * integers of the model's input grid (what the C API takes: ``x = k * scale``), or
 * float32 values, which the model's own first quantizer maps to those integers;
@@ -16,15 +16,16 @@ import numpy as np
 
 from compilers.tvm.c_api import CApiModel
 from compilers.tvm.graph import CompiledModel
+from compilers.tvm.opencl_model import OpenCLModel
 
 
-def output_integers(model: CompiledModel | CApiModel, x: np.ndarray) -> np.ndarray:
+def output_integers(model: CompiledModel | CApiModel | OpenCLModel, x: np.ndarray) -> np.ndarray:
     """The model's output integers (int32, (batch, ...)) for integer or float32 input ``x``."""
     x = np.asarray(x)
     integer = x.dtype.kind in "iu"
     if not integer and x.dtype != np.float32:
         raise ValueError(f"input must be integers of the model's input grid or float32, got {x.dtype}")
-    if isinstance(model, CApiModel):
+    if isinstance(model, CApiModel | OpenCLModel):
         return model.run_ints(x if integer else model.quantize(x))
     fmt = model.metadata["input"]["format"]
     if integer:
