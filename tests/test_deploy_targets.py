@@ -1,7 +1,8 @@
-"""Whole models for boards: `qnorm compile --target aarch64 | riscv64` builds the C API
+"""Whole models for boards and OpenCL: `qnorm compile --target aarch64 | riscv64` builds the C API
 (static library, header, runner), run under qemu-user on the whole digits test set (360
 samples) bit for bit with the QAT model's output integers; `qnorm run`; the refusals of a
-model compiled for another target; the README's C example, compiled by gcc and run."""
+model compiled for another target; the README's C example, compiled by gcc and run; the OpenCL
+program and launch plan on PoCL, bit for bit on the whole test set."""
 
 import json
 import re
@@ -183,3 +184,21 @@ def test_readme_c_example_compiles_and_gives_the_qat_integers(cache, mixer, tmp_
     wrong = subprocess.run(["gcc", "-std=c11", f"-I{aarch64}", "-c", str(source), "-o", str(tmp_path / "w.o")],
                            check=False, capture_output=True, text=True)
     assert wrong.returncode != 0 and "this model was compiled for aarch64" in wrong.stderr
+
+
+def test_opencl_model_equals_qat_on_the_test_set(cache, mixer, tmp_path, capsys):
+    from compilers.tvm import opencl
+
+    if opencl.unavailable() is not None:
+        pytest.skip(opencl.unavailable())
+    model, x, _ = mixer
+    compiled = compile_model(model, model.example_input(), "opencl")
+    out = compiled.save(tmp_path / "opencl")
+    assert sorted(json.loads((out / "model.json").read_text())["files"]) == ["constants.bin", "model.cl", "plan.json"]
+    loaded = load_compiled(out, "opencl")
+    want = qat_integers(model, x, loaded.metadata["output"]["format"]["scale"])
+    assert np.array_equal(loaded.run_ints(loaded.quantize(x.numpy())), want)  # 360 samples: 6 chunks, one padded
+    np.save(tmp_path / "x.npy", x.numpy())
+    assert main(["run", str(out), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]) == 0
+    assert np.array_equal(np.load(tmp_path / "y.npy"), want)
+    assert "360 sample(s) run on the OpenCL device" in capsys.readouterr().out

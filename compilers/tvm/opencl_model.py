@@ -1,12 +1,8 @@
 """A whole model for an OpenCL device: one OpenCL C program and a fixed launch plan.
 
-:func:`build_opencl` takes the Relax module :func:`compilers.tvm.graph.to_relax`
-makes with the GPU schedule of the qnorm kernels, plans it for a fixed chunk of
-:data:`CHUNK` samples (:func:`compilers.tvm.static_plan.plan_static`: a straight
-line of kernels on static buffers), gives every legalized op TVM's default GPU
-schedule (``dlight``: reductions, then one thread per output element; the qnorm
-kernels keep their own), lowers each for the ``opencl`` target as
-:func:`compilers.tvm.gpu.lower` does (launch geometry read off the lowered IR),
+:func:`build_opencl` lowers the Relax module :func:`compilers.tvm.graph.to_relax`
+makes with the GPU schedule of the qnorm kernels for the ``opencl`` target, for a
+fixed chunk of :data:`CHUNK` samples (:func:`compilers.tvm.device_plan.lower_device_plan`),
 and writes
 
 * ``model.cl``: every kernel's OpenCL C, each renamed after its function;
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +27,6 @@ from typing import Any
 
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import tirx
 
 from compilers.cache import sha256_file
 from compilers.tvm.artifacts import (
@@ -43,8 +36,7 @@ from compilers.tvm.artifacts import (
     save_files,
 )
 from compilers.tvm.build import tvm_target
-from compilers.tvm.gpu import DeviceModule, lower
-from compilers.tvm.static_plan import StaticPlan, Step, plan_static
+from compilers.tvm.device_plan import lower_device_plan
 from qnorm.targets import Target
 
 ARTIFACT = "opencl"
@@ -53,9 +45,8 @@ PLAN = "plan.json"
 CONSTANTS = "constants.bin"
 FILES = (SOURCE, PLAN, CONSTANTS)
 CHUNK = 64  # samples per pass: the plan's fixed batch
-_PREFIX = "qnorm_model_"
 _KEY_FORMAT = 1  # bump when the files or their layout change
-_GENERATORS = ("opencl_model.py", "static_plan.py", "gpu.py")
+_GENERATORS = ("opencl_model.py", "device_plan.py", "static_plan.py", "gpu.py")
 
 
 def artifact_key(relax_key: str) -> str:
@@ -69,71 +60,10 @@ def artifact_key(relax_key: str) -> str:
 
 def build_opencl(mod: tvm.IRModule, target: Target, directory: Path) -> None:
     """Write ``model.cl``, ``plan.json`` and ``constants.bin`` for ``mod`` into ``directory``."""
-    plan = plan_static(mod, _PREFIX, CHUNK)
-    device_target = tvm_target(target)
-    sources, lowered = [], {}
-    for gv, func in plan.kernels.functions.items():
-        name = gv.name_hint
-        main = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-        if not _has_thread_bindings(main):
-            main = _default_gpu_schedule(main, device_target)
-        # CSE would hoist index arithmetic into scalar kernel arguments computed on a host
-        with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-            device = lower(main, device_target, allow_float=True)
-        source = device.source
-        for kernel in device.kernels:
-            source = re.sub(rf"\b{re.escape(kernel.name)}\b", f"{name}_{kernel.name}", source)
-        sources.append(source)
-        lowered[name] = (device, [p.name for p in main["main"].params])
-    launches = [launch for step in plan.steps for launch in _launches(plan, step, *lowered[step.function])]
-    (directory / SOURCE).write_text("\n".join(sources))
-    (directory / CONSTANTS).write_bytes(plan.constants)
-    (directory / PLAN).write_text(json.dumps(_plan_json(plan, launches), indent=1) + "\n")
-
-
-def _launches(plan: StaticPlan, step: Step, device: DeviceModule, params: list[str]) -> list[dict[str, Any]]:
-    """The launches of one call: its kernels on that call's buffers."""
-    index = dict(zip(params, step.buffers, strict=True))
-    shapes = {p: plan.buffers[i].shape for p, i in index.items()}
-    found = []
-    for kernel, launch in zip(device.kernels, device.launches(shapes), strict=True):
-        # a scalar argument is a symbolic dimension of the kernel, its value fixed by the call's shapes
-        args = [{"buffer": index[a]} if p.is_buffer else {"scalar": int(a), "dtype": p.dtype}
-                for p, a in zip(kernel.params, launch.args, strict=True)]  # fmt: skip
-        found.append({"kernel": f"{step.function}_{kernel.name}", "args": args, "local": list(launch.block),
-                      "global": [g * b for g, b in zip(launch.grid, launch.block, strict=True)]})  # fmt: skip
-    return found
-
-
-def _plan_json(plan: StaticPlan, launches: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "chunk": CHUNK,
-        "input": plan.input,
-        "output": plan.output,
-        "buffers": [{"shape": list(b.shape), "dtype": b.dtype, "constant_offset": b.offset if b.constant else None}
-                    for b in plan.buffers],
-        "launches": launches,
-    }  # fmt: skip
-
-
-def _has_thread_bindings(mod: tvm.IRModule) -> bool:
-    """Whether ``mod`` is already laid out on GPU threads (the qnorm kernels' GPU schedule)."""
-    found: list[Any] = []
-
-    def visit(node: Any) -> None:
-        if isinstance(node, tirx.For) and node.kind == tirx.ForKind.THREAD_BINDING:
-            found.append(node)
-
-    tvm_ffi.structural_walk(mod, visit, order="pre")
-    return bool(found)
-
-
-def _default_gpu_schedule(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    from tvm.s_tir import dlight
-
-    rules = (dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(), dlight.gpu.Fallback())
-    with target:
-        return dlight.ApplyDefaultSchedule(*rules)(mod)
+    lowered = lower_device_plan(mod, tvm_target(target), CHUNK)
+    (directory / SOURCE).write_text("\n".join(lowered.sources))
+    (directory / CONSTANTS).write_bytes(lowered.plan.constants)
+    (directory / PLAN).write_text(json.dumps(lowered.to_json(), indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- run
