@@ -133,15 +133,15 @@ def _note(line: str) -> None:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from qnorm.targets import compile_target_name
+    from qnorm.targets import C_API_TARGETS, compile_target_name
     from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
 
     target = compile_target_name(args.target)
+    if args.c_api and target not in C_API_TARGETS:
+        raise UsageError(f"--c-api builds the C API for {', '.join(C_API_TARGETS)}, not {target}")
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
     _import_models(args.imports)
     if target == HLS_TARGET:
-        if args.c_api:
-            raise UsageError("--c-api builds a whole model for a CPU; fpga-hls writes one HLS project per layer")
         return _compile_hls(args)
     from qnorm.train.compiled import compile_checkpoint
 
@@ -176,14 +176,13 @@ def _run(args: argparse.Namespace) -> int:
         x = np.load(args.input, allow_pickle=False)
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot read {args.input} as a .npy array: {err}") from err
-    from compilers.tvm.c_api import CApiError
     from compilers.tvm.graph import load_compiled
     from compilers.tvm.run import classes, output_integers
 
     try:
         model = load_compiled(args.dir, args.target)
         outputs = output_integers(model, x)
-    except (ValueError, CApiError) as err:
+    except (ValueError, RuntimeError) as err:  # a refused directory or input; a runner that failed
         raise DeployError(str(err)) from err
     predicted = classes(outputs)
     meta = model.metadata
@@ -311,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument(
         "--target", default="x86_64", help="target name: x86_64 (default, the host CPU; x86 works too) compiles the whole model into one "
-        "library; aarch64 and riscv64 into a C library and runner for a board; fpga-hls writes one HLS project "
-        "per qnorm layer"
+        "library; aarch64 and riscv64 into a C library and runner for a board; opencl into an OpenCL program and "
+        "launch plan; cuda into CUDA source, PTX and cubins; fpga-hls writes one HLS project per qnorm layer"
     )  # fmt: skip
     compile_.add_argument(
         "-o", "--out", metavar="DIR", type=output_dir, required=True,

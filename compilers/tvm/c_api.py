@@ -63,7 +63,7 @@ _CFLAGS = ("-O2", "-std=c11")
 _KEY_FORMAT = 1  # bump when the generated files or the build change
 SYMBOL_PREFIX = "qnorm_model_k_"  # the kernels' C symbols: no clash with a program's own
 RUN_TIMEOUT_S = 600
-# The C test a header makes of the compiler's architecture, per target.
+# The C test a header makes of the compiler's architecture, per target (qnorm.targets.C_API_TARGETS).
 ARCH_MACROS = {
     "x86_64": "defined(__x86_64__)",
     "aarch64": "defined(__aarch64__)",

@@ -41,6 +41,10 @@ formats, target, datapath, versions, the library's SHA-256, the source checkpoin
 gets the C API of :mod:`compilers.tvm.c_api` instead of a VM library: the same Relax
 module as a static library, header and runner that need no TVM runtime
 (``model.json``'s ``artifact`` is ``"c-api"``; its ``files`` record each file's SHA-256).
+``opencl`` gets an OpenCL program and launch plan (:mod:`compilers.tvm.opencl_model`),
+``cuda`` CUDA source, PTX and cubins and the same plan (:mod:`compilers.tvm.cuda_model`),
+both from the module built with the qnorm kernels' GPU schedule.  These artifacts take
+and give integers (:mod:`compilers.tvm.artifacts`).
 """
 
 from __future__ import annotations
@@ -68,10 +72,10 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers import cache
 from compilers.cache import sha256_file
-from compilers.tvm import c_api, opencl_model
+from compilers.tvm import c_api, cuda_model, opencl_model
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
-from compilers.tvm.kernels import kernel_for
 from compilers.tvm.gpu import GPU
+from compilers.tvm.kernels import kernel_for
 from compilers.tvm.reproducible import relax_pipeline
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.deploy import (
@@ -84,11 +88,11 @@ from qnorm.deploy import (
     prove_exact,
 )
 from qnorm.deploy.freeze import int_op_info
-from qnorm.errors import DeployError
+from qnorm.errors import DeployError, UsageError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.metadata import collect_module_metadata
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, load_target, not_compiled_for, target_name
+from qnorm.targets import C_API_TARGETS, Target, load_target, not_compiled_for, target_name
 
 FORMAT = "qnorm.compiled"
 VERSION = 1
@@ -97,9 +101,10 @@ METADATA = "model.json"
 INDEX = "index.json"  # a model key's cache entry: the library key and the metadata
 _KEY_FORMAT = 2  # bump when a key recipe or the cache layout changes
 HOST_TARGETS = ("x86_64",)  # where a Relax VM library (model.so) runs: this machine
-C_API_TARGETS = tuple(c_api.ARCH_MACROS)  # where the C API (a static library and runner) builds
 OPENCL_TARGETS = ("opencl",)  # an OpenCL program and launch plan (compilers.tvm.opencl_model)
+CUDA_TARGETS = ("cuda",)  # CUDA source, PTX and cubins and a launch plan (compilers.tvm.cuda_model)
 VM_ARTIFACT = "relax-vm"
+IntegerModel = c_api.CApiModel | opencl_model.OpenCLModel | cuda_model.CudaModel  # integers in and out
 _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
 _SOURCE_PACKAGES = ("qnorm", "compilers")
 # Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
@@ -111,20 +116,22 @@ def compile_target(target: str | Target) -> Target:
     ``compile`` supports it yet."""
     if isinstance(target, str):
         target = load_target(target_name(target))  # unknown: its error lists the known targets
-    if target.name not in HOST_TARGETS + C_API_TARGETS + OPENCL_TARGETS:
+    if target.name not in HOST_TARGETS + C_API_TARGETS + OPENCL_TARGETS + CUDA_TARGETS:
         raise not_compiled_for(target.name)
     return target
 
 
 def artifact_kind(target: Target, c_api_requested: bool) -> str:
     """What compile builds for ``target``: a Relax VM library for this machine, the C API
-    (always for a cross target: a board has no TVM runtime), or an OpenCL program."""
+    (always for a cross target: a board has no TVM runtime), an OpenCL program or CUDA binaries."""
     if target.name in OPENCL_TARGETS and not c_api_requested:
         return opencl_model.ARTIFACT
+    if target.name in CUDA_TARGETS and not c_api_requested:
+        return cuda_model.ARTIFACT
     if target.name in HOST_TARGETS and not c_api_requested:
         return VM_ARTIFACT
     if target.name not in C_API_TARGETS:
-        raise not_compiled_for(target.name)
+        raise UsageError(f"the C API builds for {', '.join(C_API_TARGETS)}, not {target.name}")
     return c_api.ARTIFACT
 
 
@@ -279,7 +286,7 @@ def compile_model(
     frozen = freeze(model)
     program = export(frozen, example)
     report = prove_exact(program)
-    mod = to_relax(program, GPU if kind == opencl_model.ARTIFACT else CPU)
+    mod = to_relax(program, GPU if kind in (opencl_model.ARTIFACT, cuda_model.ARTIFACT) else CPU)
     key = relax_key(mod, target)
     metadata = _metadata(program, report, target, key)
     if kind == c_api.ARTIFACT:
@@ -293,6 +300,11 @@ def compile_model(
         key = opencl_model.artifact_key(key)
         metadata["cache_key"] = key
         library = cache.cached(_library_entry(key), lambda d: opencl_model.build_opencl(mod, target, d))
+    elif kind == cuda_model.ARTIFACT:
+        metadata, _ = _integer_metadata(metadata, program, kind)
+        key = cuda_model.artifact_key(key, target)
+        metadata["cache_key"] = key
+        library = cache.cached(_library_entry(key), lambda d: cuda_model.build_cuda(mod, target, d))
     else:
         library = cache.cached(_library_entry(key), lambda d: _build_library(mod, target, d / LIBRARY))
     if index is not None:
@@ -303,15 +315,20 @@ def compile_model(
 
 def _compiled(
     kind: str, library: cache.Entry, metadata: dict[str, Any], target: Target, start: float
-) -> CompiledModel | c_api.CApiModel | opencl_model.OpenCLModel:
+) -> CompiledModel | IntegerModel:
     seconds = time.perf_counter() - start
     if kind in _INTEGER_ARTIFACTS:
         return _INTEGER_ARTIFACTS[kind](library.path, metadata, target, library.hit, seconds, library.digests)
     return CompiledModel(library / LIBRARY, metadata, library.hit, seconds, library.digests[LIBRARY])
 
 
-_INTEGER_ARTIFACTS = {c_api.ARTIFACT: c_api.CApiModel, opencl_model.ARTIFACT: opencl_model.OpenCLModel}
-_ARTIFACT_FILES = {c_api.ARTIFACT: c_api.FILES, opencl_model.ARTIFACT: opencl_model.FILES}
+_INTEGER_ARTIFACTS = {c_api.ARTIFACT: c_api.CApiModel, opencl_model.ARTIFACT: opencl_model.OpenCLModel,
+                      cuda_model.ARTIFACT: cuda_model.CudaModel}  # fmt: skip
+# The files each needs (a CUDA build adds nvcc's, one pair per architecture).
+_ARTIFACT_FILES = {c_api.ARTIFACT: c_api.FILES, opencl_model.ARTIFACT: opencl_model.FILES,
+                   cuda_model.ARTIFACT: cuda_model.REQUIRED}  # fmt: skip
+_ARTIFACT_TARGETS = {c_api.ARTIFACT: C_API_TARGETS, opencl_model.ARTIFACT: OPENCL_TARGETS,
+                     cuda_model.ARTIFACT: CUDA_TARGETS}  # fmt: skip
 
 
 def _integer_metadata(
@@ -331,7 +348,7 @@ def _integer_metadata(
 
 def load_compiled(
     directory: str | Path, target: str | None = None
-) -> CompiledModel | c_api.CApiModel | opencl_model.OpenCLModel:
+) -> CompiledModel | IntegerModel:
     """Load a directory written by :meth:`CompiledModel.save` or :meth:`c_api.CApiModel.save`,
     refusing a corrupt or foreign one, and one not compiled for ``target`` when given."""
     start = time.perf_counter()
@@ -375,14 +392,14 @@ def load_compiled(
 
 def _load_integer_artifact(
     directory: Path, meta: dict[str, Any], kind: str, start: float
-) -> c_api.CApiModel | opencl_model.OpenCLModel:
-    """A saved C-API or OpenCL model, its files checked against ``model.json``; a C API's
-    library must name the target ``model.json`` names."""
+) -> IntegerModel:
+    """A saved C-API, OpenCL or CUDA model, its files checked against ``model.json``; a
+    C API's library must name the target ``model.json`` names."""
     name = meta["target"].get("name")
-    if name not in (C_API_TARGETS if kind == c_api.ARTIFACT else OPENCL_TARGETS):
+    if name not in _ARTIFACT_TARGETS[kind]:
         raise ValueError(f"compiled model {directory}: {METADATA} names target {name!r}, which has no {kind} build")
     digests = {}
-    for file in _ARTIFACT_FILES[kind]:
+    for file in sorted(set(_ARTIFACT_FILES[kind]) | set(meta["files"])):
         path, record = directory / file, meta["files"].get(file)
         if not path.is_file() or not isinstance(record, dict):
             raise ValueError(f"compiled model {directory}: missing {file}")
@@ -390,8 +407,8 @@ def _load_integer_artifact(
         if digests[file] != record.get("sha256"):
             raise ValueError(f"compiled model {directory}: {file} is corrupt or not the one {METADATA} describes "
                              "(its sha256 differs)")  # fmt: skip
-    if kind == opencl_model.ARTIFACT:
-        return opencl_model.OpenCLModel(directory, meta, load_target(name), True, time.perf_counter() - start, digests)
+    if kind != c_api.ARTIFACT:
+        return _INTEGER_ARTIFACTS[kind](directory, meta, load_target(name), True, time.perf_counter() - start, digests)
     model = c_api.CApiModel(directory, meta, load_target(name), True, 0.0, digests)
     machine = model.runner_machine()
     built = model.built_for() if machine == name else machine

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from compilers.tvm.c_api import CApiModel
-from compilers.tvm.graph import CompiledModel
-from compilers.tvm.opencl_model import OpenCLModel
+from compilers.tvm.graph import CompiledModel, IntegerModel
 
 
-def output_integers(model: CompiledModel | CApiModel | OpenCLModel, x: np.ndarray) -> np.ndarray:
+def output_integers(model: CompiledModel | IntegerModel, x: np.ndarray) -> np.ndarray:
     """The model's output integers (int32, (batch, ...)) for integer or float32 input ``x``."""
     x = np.asarray(x)
     integer = x.dtype.kind in "iu"
     if not integer and x.dtype != np.float32:
         raise ValueError(f"input must be integers of the model's input grid or float32, got {x.dtype}")
-    if isinstance(model, CApiModel | OpenCLModel):
+    if not isinstance(model, CompiledModel):
         return model.run_ints(x if integer else model.quantize(x))
     fmt = model.metadata["input"]["format"]
     if integer:
