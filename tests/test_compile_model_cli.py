@@ -185,3 +185,16 @@ def test_corrupt_or_foreign_directory_is_refused(compiled_dir, tmp_path, damage,
     damage(d)
     with pytest.raises(ValueError, match=message):
         load_compiled(d)
+
+
+def test_qnorm_run_gives_the_integers_of_a_model_so(checkpoint, compiled_dir, tmp_path, capsys):
+    path, x = checkpoint
+    model, _ = load_checkpoint(path)
+    scale = json.loads((compiled_dir / "model.json").read_text())["output"]["format"]["scale"]
+    with torch.no_grad():
+        want = model(x).numpy().astype(np.float64) / scale  # exact: a power-of-two grid
+    np.save(tmp_path / "x.npy", x.numpy())
+    assert main(["run", str(compiled_dir), "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy")]) == 0
+    got = np.load(tmp_path / "y.npy")
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert "360 sample(s) run natively" in capsys.readouterr().out

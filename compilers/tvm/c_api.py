@@ -358,11 +358,11 @@ class CApiModel:
         out = self.run_ints(self.quantize(x))
         return (out.astype(np.float64) * output_scale(self.metadata)).astype(np.float32)
 
-    def command(self, inputs: Path, outputs: Path) -> list[str]:
-        """The runner's command line on this machine (under qemu-user for a cross target)."""
+    def command(self, *args: str) -> list[str]:
+        """The runner with ``args`` on this machine (under qemu-user for a cross target)."""
         run = self.target.run
         prefix = [run.emulator, "-L", run.sysroot] if run.method == "qemu-user" else []
-        return [*prefix, str(self.runner), "--target", self.target.name, str(inputs), str(outputs)]
+        return [*prefix, str(self.runner), *args]
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
@@ -370,7 +370,7 @@ class CApiModel:
         with tempfile.TemporaryDirectory(prefix="qnorm-run-") as tmp:
             inputs, outputs = Path(tmp) / "input.npy", Path(tmp) / "output.npy"
             np.save(inputs, np.ascontiguousarray(k.astype(k.dtype.newbyteorder("<"))))
-            cmd = self.command(inputs, outputs)
+            cmd = self.command("--target", self.target.name, str(inputs), str(outputs))
             self._execute(cmd)
             if not outputs.exists():
                 raise CApiError(f"{self.target.name}: `{shlex.join(cmd)}` exited with status 0 but wrote no output")
@@ -400,9 +400,7 @@ class CApiModel:
 
     def built_for(self) -> str:
         """The target the library itself names (``qnorm_run --info``)."""
-        run = self.target.run
-        prefix = [run.emulator, "-L", run.sysroot] if run.method == "qemu-user" else []
-        cmd = [*prefix, str(self.runner), "--info"]
+        cmd = self.command("--info")
         try:
             done = subprocess.run(cmd, check=False, capture_output=True, text=True, errors="replace",
                                   timeout=RUN_TIMEOUT_S)  # fmt: skip

@@ -42,10 +42,6 @@ class Buffer:
     offset: int
     constant: bool
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
 
 @dataclass(frozen=True)
 class Step:
