@@ -133,17 +133,19 @@ def _note(line: str) -> None:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from qnorm.targets import compile_target_name
+    from qnorm.targets import C_API_TARGETS, compile_target_name
     from qnorm.train.checkpoint_meta import checkpoint_dir, read_metadata
 
     target = compile_target_name(args.target)
+    if args.c_api and target not in C_API_TARGETS:
+        raise UsageError(f"--c-api builds the C API for {', '.join(C_API_TARGETS)}, not {target}")
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
     _import_models(args.imports)
     if target == HLS_TARGET:
         return _compile_hls(args)
     from qnorm.train.compiled import compile_checkpoint
 
-    compiled, source = compile_checkpoint(args.checkpoint, target)
+    compiled, source = compile_checkpoint(args.checkpoint, target, args.c_api)
     out = compiled.save(args.out, source=source)
     meta = json.loads((out / "model.json").read_text())
     target_meta = meta["target"]
@@ -152,7 +154,49 @@ def _compile(args: argparse.Namespace) -> int:
     print(f"  {meta['exactness']['summary']}")
     cpu = target_meta["tvm"].get("mcpu", target_meta["tvm"]["kind"])
     print(f"  {state} for {target_meta['name']} ({cpu}) in {compiled.seconds:.2f} s")
-    print(f"  wrote {out / 'model.so'} (sha256 {meta['library']['sha256'][:16]}...) and {out / 'model.json'}")
+    if "files" in meta:  # the C API
+        print(f"  wrote {', '.join(str(out / name) for name in meta['files'])} and {out / 'model.json'}")
+        print(f"  integers: {meta['input']['dtype']} input {meta['input']['shape'][1:]} "
+              f"(x = k * {meta['input']['format']['scale']!r}) -> int32 output {meta['output']['shape'][1:]} "
+              f"(y = k * 2^{meta['output']['format']['grid_exp']})")  # fmt: skip
+    else:
+        print(f"  wrote {out / 'model.so'} (sha256 {meta['library']['sha256'][:16]}...) and {out / 'model.json'}")
+    return 0
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    if not (args.dir / "model.json").is_file():
+        raise UsageError(f"{args.dir} is not a compiled model directory (no model.json): see qnorm compile")
+    try:
+        x = np.load(args.input, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read {args.input} as a .npy array: {err}") from err
+    from compilers.tvm.graph import load_compiled
+    from compilers.tvm.run import classes, output_integers
+
+    try:
+        model = load_compiled(args.dir, args.target)
+        outputs = output_integers(model, x)
+    except (ValueError, RuntimeError) as err:  # a refused directory or input; a runner that failed
+        raise DeployError(str(err)) from err
+    predicted = classes(outputs)
+    meta = model.metadata
+    name = meta["target"]["name"]
+    where = {"x86_64": "natively", "opencl": "on the OpenCL device"}.get(name, f"under {name} emulation")
+    print(f"{args.dir}: {meta['target']['name']} model, {len(outputs)} sample(s) run {where}; "
+          f"outputs are integers k, y = k * 2^{meta['output']['format']['grid_exp']}")  # fmt: skip
+    if args.output is not None:
+        np.save(args.output, outputs)
+        print(f"  wrote {args.output}: int32 {tuple(outputs.shape)}")
+        print("  classes: " + " ".join(map(str, predicted)))
+        return 0
+    for i, (row, cls) in enumerate(zip(outputs.reshape(len(outputs), -1), predicted, strict=True)):
+        print(f"  {i}: class {cls}  {' '.join(map(str, row))}")
     return 0
 
 
@@ -284,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         "compile",
         help="compile a trained checkpoint for a target (proven bit-exact with the QAT model, or refused)",
         description="Freeze, export and prove a checkpoint written by qnorm train exact on power-of-two grids, "
-                    "compile it through TVM Relax and write DIR/model.so + DIR/model.json. A model that "
+                    "compile it through TVM Relax and write DIR/model.so + DIR/model.json (for aarch64 and riscv64, "
+                    "and x86_64 with --c-api: a static C library, its header and a runner). A model that "
                     "cannot be proven exact (float softmax/GELU, non-power-of-two scales, float biases, "
                     "accumulators past 2^24) is refused with every problem listed.",
     )  # fmt: skip
@@ -293,14 +338,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_.add_argument(
         "--target", default="x86_64", help="target name: x86_64 (default, the host CPU; x86 works too) compiles the whole model into one "
-        "library; fpga-hls writes one HLS project per qnorm layer"
+        "library; aarch64 and riscv64 into a C library and runner for a board; opencl into an OpenCL program and "
+        "launch plan; cuda into CUDA source, PTX and cubins; fpga-hls writes one HLS project per qnorm layer"
     )  # fmt: skip
     compile_.add_argument(
         "-o", "--out", metavar="DIR", type=output_dir, required=True,
-        help="output directory for model.so and model.json (created; must not be a file)",
+        help="output directory for model.so (or the C API's files) and model.json (created; must not be a file)",
+    )  # fmt: skip
+    compile_.add_argument(
+        "--c-api", action="store_true",
+        help="x86_64: build the C API (libqnorm_model.a, qnorm_model.h, qnorm_run) instead of model.so; "
+             "aarch64 and riscv64 always get it",
     )  # fmt: skip
     _add_import_argument(compile_)
     compile_.set_defaults(func=_compile)
+
+    run = sub.add_parser(
+        "run",
+        help="run a compiled model on a .npy array here (natively, or under qemu-user for aarch64/riscv64): "
+             "print or write the output integers and the predicted classes",
+    )  # fmt: skip
+    run.add_argument("dir", metavar="DIR", type=Path, help="directory written by qnorm compile")
+    run.add_argument(
+        "--input", metavar="X.npy", type=Path, required=True,
+        help="(batch, ...) integers of the model's input grid, or float32 values its first quantizer rounds",
+    )  # fmt: skip
+    run.add_argument("--output", metavar="Y.npy", type=Path, help="write the int32 outputs here instead of printing")
+    run.add_argument("--target", help="refuse to run unless the model was compiled for this target")
+    run.set_defaults(func=_run)
 
     export = sub.add_parser(
         "export",

@@ -37,8 +37,16 @@ ALIASES = {"x86": "x86_64"}  # other names a command line may use for a target
 # What `qnorm compile` makes for each target it supports; any other target is refused.
 COMPILE_TARGETS = {
     "x86_64": "the host CPU: the whole model",
+    "aarch64": "the whole model as a C library and runner, no TVM runtime",
+    "riscv64": "the whole model as a C library and runner, no TVM runtime",
+    "opencl": "the whole model as one OpenCL program and launch plan",
+    "cuda": "the whole model as CUDA source, PTX and cubins and a launch plan (run by scripts/gpu_check.sh)",
     "fpga-hls": "one HLS project per qnorm layer",
 }
+
+# Where `qnorm compile` builds the C API (a static library, header and runner): always
+# for the boards, with --c-api for this CPU.
+C_API_TARGETS = ("x86_64", "aarch64", "riscv64")
 
 TVM_KINDS = ("llvm", "c", "cuda", "opencl")
 # TVM target attributes a description may set, with their TOML types.

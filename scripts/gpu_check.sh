@@ -13,10 +13,16 @@
 #      out/gpu_bundle (ignored by git, about 20 MiB).  The harness is compiled once
 #      too, so a harness that does not build fails here.
 #
+#      With a whole model compiled for CUDA (`qnorm compile CKPT --target cuda -o DIR`,
+#      DIR from $QNORM_CUDA_MODEL, default out/deploy/cuda-mixer), the bundle also gets
+#      model/model.plan: the model's launches on 64 digits test samples and the QAT
+#      model's outputs (scripts/cuda_model_plan.py); without one it is left out.
+#
 #   2. On the GPU host:            scripts/gpu_check.sh run [BUNDLE]
 #      builds compilers/tvm/harness/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
 #      built in step 1 for the GPU's architecture, else the PTX, JIT-compiled), compares
 #      every output element with the golden output, times the benchmark kernels, and
+#      runs the whole-model plan if the bundle has one (its float32 output bit for bit),
 #      times torch.nn.functional.layer_norm / rms_norm on float16 and float32 rows of
 #      the same shapes if torch with CUDA is installed (else says so).  Needs nvcc,
 #      python3 and a CUDA GPU; takes well under 5 minutes.  Results: gpu_verify.md,
@@ -36,6 +42,12 @@ prepare() {
   local py="$repo/.venv/bin/python"
   [[ -x "$py" ]] || { echo "no $py: run 'make venv' first" >&2; exit 2; }
   "$py" "$repo/scripts/gpu_bundle.py" --out "$bundle"
+  local model="${QNORM_CUDA_MODEL:-$repo/out/deploy/cuda-mixer}"
+  if [[ -f "$model/model.json" ]]; then
+    "$py" "$repo/scripts/cuda_model_plan.py" "$model" "$bundle/model"
+  else
+    echo "no CUDA-compiled model at $model: the bundle has no whole-model plan" >&2
+  fi
   local tmp
   tmp="$(mktemp -d)"
   nvcc -O2 -std=c++17 "$repo/compilers/tvm/harness/gpu_harness.cu" -o "$tmp/gpu_harness"
@@ -58,6 +70,12 @@ run() {
   echo "verify plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
   "$harness" "$bundle"/bench/*.plan >"$out/gpu_bench.log" 2>>"$out/gpu_check.log" || status=$?
   echo "benchmark plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
+  if [[ -f "$bundle/model/model.plan" ]]; then
+    "$harness" "$bundle/model/model.plan" >"$out/gpu_model.log" 2>>"$out/gpu_check.log" || status=$?
+    echo "whole-model plan: $(cat "$out/gpu_model.log") (exit $status)" | tee -a "$out/gpu_check.log"
+  else
+    echo "no whole-model plan in $bundle: skipped" | tee -a "$out/gpu_check.log"
+  fi
   python3 "$repo/benchmarks/bench_gpu.py" --bundle "$bundle" --verify-log "$out/gpu_verify.log" \
     --bench-log "$out/gpu_bench.log" --out "$out" --device "$device" || status=$?
   echo "done in $((SECONDS - start)) s, exit $status" | tee -a "$out/gpu_check.log"

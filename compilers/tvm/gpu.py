@@ -248,17 +248,19 @@ def _block_threads(kernel: DeviceKernel) -> int:
     return count
 
 
-def lower(mod: tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> DeviceModule:
+def lower(mod: tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target, *, allow_float: bool = False) -> DeviceModule:
     """``mod`` through TVM's own build steps (those of ``tvm.compile``) for a device
     target, stopping at the device source; launches are read off the lowered IR.
 
     ``tvm.compile`` would return the same source inside a host module that
     cannot be loaded here; stopping early exposes the device functions, whose
     thread extents and parameters are the launch geometry and argument order.
+    ``allow_float``: the float32 ops of a whole model (exact on power-of-two grids),
+    not a qnorm kernel, which is integer-only.
     """
     mod = _with_named_params(tvm.IRModule({"main": mod}) if isinstance(mod, tirx.PrimFunc) else mod)
     bad = non_integer_dtypes(mod)
-    if bad:
+    if bad and not allow_float:
         raise ValueError(
             f"kernel uses non-integer dtypes {sorted(bad)}; qnorm kernels are integer-only"
         )

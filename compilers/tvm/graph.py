@@ -33,13 +33,23 @@ is :func:`compilers.tvm.reproducible.relax_pipeline`, which fixes the one order
 TVM leaves to chance.
 
 :meth:`CompiledModel.save` writes ``model.so`` + ``model.json`` (input and output
-formats, versions, the library's SHA-256, the source checkpoint, as
+formats, target, datapath, versions, the library's SHA-256, the source checkpoint, as
 :func:`qnorm.train.compiled.compile_checkpoint` records it);
 :func:`load_compiled` refuses a directory whose library does not match.
+
+**Boards.**  A cross target (aarch64, riscv64), or x86_64 with ``c_api_requested``,
+gets the C API of :mod:`compilers.tvm.c_api` instead of a VM library: the same Relax
+module as a static library, header and runner that need no TVM runtime
+(``model.json``'s ``artifact`` is ``"c-api"``; its ``files`` record each file's SHA-256).
+``opencl`` gets an OpenCL program and launch plan (:mod:`compilers.tvm.opencl_model`),
+``cuda`` CUDA source, PTX and cubins and the same plan (:mod:`compilers.tvm.cuda_model`),
+both from the module built with the qnorm kernels' GPU schedule.  These artifacts take
+and give integers (:mod:`compilers.tvm.artifacts`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -62,16 +72,27 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers import cache
 from compilers.cache import sha256_file
+from compilers.tvm import c_api, cuda_model, opencl_model
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
+from compilers.tvm.gpu import GPU
 from compilers.tvm.kernels import kernel_for
 from compilers.tvm.reproducible import relax_pipeline
-from qnorm.deploy import ExactnessReport, export, freeze, input_format, model_spec, prove_exact
+from compilers.tvm.schedules import CPU, Schedule
+from qnorm.deploy import (
+    ExactnessReport,
+    export,
+    freeze,
+    input_format,
+    input_quantizer,
+    model_spec,
+    prove_exact,
+)
 from qnorm.deploy.freeze import int_op_info
-from qnorm.errors import DeployError
+from qnorm.errors import DeployError, UsageError
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.metadata import collect_module_metadata
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, load_target, not_compiled_for, target_name
+from qnorm.targets import C_API_TARGETS, Target, load_target, not_compiled_for, target_name
 
 FORMAT = "qnorm.compiled"
 VERSION = 1
@@ -79,7 +100,11 @@ LIBRARY = "model.so"
 METADATA = "model.json"
 INDEX = "index.json"  # a model key's cache entry: the library key and the metadata
 _KEY_FORMAT = 2  # bump when a key recipe or the cache layout changes
-HOST_TARGETS = ("x86_64",)  # what compile runs on so far; others come with their runners
+HOST_TARGETS = ("x86_64",)  # where a Relax VM library (model.so) runs: this machine
+OPENCL_TARGETS = ("opencl",)  # an OpenCL program and launch plan (compilers.tvm.opencl_model)
+CUDA_TARGETS = ("cuda",)  # CUDA source, PTX and cubins and a launch plan (compilers.tvm.cuda_model)
+VM_ARTIFACT = "relax-vm"
+IntegerModel = c_api.CApiModel | opencl_model.OpenCLModel | cuda_model.CudaModel  # integers in and out
 _X86_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")  # each runs the ones before it
 _SOURCE_PACKAGES = ("qnorm", "compilers")
 # Module classes whose code a model key covers: qnorm's by source_digest, the rest by version.
@@ -91,27 +116,42 @@ def compile_target(target: str | Target) -> Target:
     ``compile`` supports it yet."""
     if isinstance(target, str):
         target = load_target(target_name(target))  # unknown: its error lists the known targets
-    if target.name not in HOST_TARGETS:
+    if target.name not in HOST_TARGETS + C_API_TARGETS + OPENCL_TARGETS + CUDA_TARGETS:
         raise not_compiled_for(target.name)
     return target
+
+
+def artifact_kind(target: Target, c_api_requested: bool) -> str:
+    """What compile builds for ``target``: a Relax VM library for this machine, the C API
+    (always for a cross target: a board has no TVM runtime), an OpenCL program or CUDA binaries."""
+    if target.name in OPENCL_TARGETS and not c_api_requested:
+        return opencl_model.ARTIFACT
+    if target.name in CUDA_TARGETS and not c_api_requested:
+        return cuda_model.ARTIFACT
+    if target.name in HOST_TARGETS and not c_api_requested:
+        return VM_ARTIFACT
+    if target.name not in C_API_TARGETS:
+        raise UsageError(f"the C API builds for {', '.join(C_API_TARGETS)}, not {target.name}")
+    return c_api.ARTIFACT
 
 
 # --------------------------------------------------------------------------- export -> Relax
 
 
-def to_relax(program: torch.export.ExportedProgram) -> tvm.IRModule:
-    """The decomposed ``program`` as a Relax module; qnorm ops call their kernels."""
+def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) -> tvm.IRModule:
+    """The decomposed ``program`` as a Relax module; qnorm ops call their kernels,
+    laid out by ``schedule`` (the CPU's, or the GPU's for a device target)."""
     return from_exported_program(
         program,
-        custom_convert_map={"int_op.default": _convert_int_op},
+        custom_convert_map={"int_op.default": functools.partial(_convert_int_op, schedule=schedule)},
         run_ep_decomposition=False,  # qnorm.deploy.export decomposed it (the proof saw that graph)
         unwrap_unit_return_tuple=True,
     )
 
 
-def _convert_int_op(node: torch.fx.Node, importer: Any) -> relax.Expr:
+def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> relax.Expr:
     info = int_op_info(node.args[1])
-    kernel = kernel_for(info.op)
+    kernel = kernel_for(info.op, schedule)
     bb = importer.block_builder
     name = "qnorm_" + "".join(c if c.isalnum() else "_" for c in info.name)
     x = importer.env[node.args[0]]
@@ -220,8 +260,14 @@ class CompiledModel:
         return directory
 
 
-def compile_model(model: nn.Module, example: torch.Tensor, target: str | Target = "x86_64") -> CompiledModel:
+def compile_model(
+    model: nn.Module, example: torch.Tensor, target: str | Target = "x86_64", *, c_api_requested: bool = False
+) -> CompiledModel | c_api.CApiModel:
     """Compile ``model`` for input like ``example`` (float32, dimension 0 the batch).
+
+    For ``x86_64`` the result is a Relax VM library run in this process, or with
+    ``c_api_requested`` the C API of :mod:`compilers.tvm.c_api`, which is what every
+    cross target (aarch64, riscv64) gets.
 
     Raises :class:`qnorm.deploy.NotDeployableError` (a ValueError listing every
     problem) when the exported graph cannot be proven exact, and ValueError for a
@@ -229,45 +275,110 @@ def compile_model(model: nn.Module, example: torch.Tensor, target: str | Target 
     """
     start = time.perf_counter()
     target = compile_target(target)
-    index = _index_entry(model_key(model, example, target))
+    kind = artifact_kind(target, c_api_requested)
+    index = _index_entry(model_key(model, example, target, kind))
     if index is not None and (found := cache.lookup(index)) is not None:
         entry = json.loads((found / INDEX).read_text())
         library = cache.lookup(_library_entry(entry["library_key"]))
         if library is not None:
-            return CompiledModel(library / LIBRARY, entry["metadata"], True, time.perf_counter() - start,
-                                 library.digests[LIBRARY])
+            return _compiled(kind, library, entry["metadata"], target, start)
         cache.remove(index)  # its library is gone: index the one built below
     frozen = freeze(model)
     program = export(frozen, example)
     report = prove_exact(program)
-    mod = to_relax(program)
+    mod = to_relax(program, GPU if kind in (opencl_model.ARTIFACT, cuda_model.ARTIFACT) else CPU)
     key = relax_key(mod, target)
-    library = cache.cached(_library_entry(key), lambda directory: _build_library(mod, target, directory / LIBRARY))
     metadata = _metadata(program, report, target, key)
+    if kind == c_api.ARTIFACT:
+        metadata, api = _integer_metadata(metadata, program, kind)
+        key = c_api.artifact_key(key)
+        version = f"qnorm {metadata['versions']['qnorm']}, TVM {tvm.__version__}, model {key[:16]}"
+        metadata["cache_key"] = key
+        library = cache.cached(_library_entry(key), lambda d: c_api.build_c_api(mod, target, api, version, d))
+    elif kind == opencl_model.ARTIFACT:
+        metadata, _ = _integer_metadata(metadata, program, kind)
+        key = opencl_model.artifact_key(key)
+        metadata["cache_key"] = key
+        library = cache.cached(_library_entry(key), lambda d: opencl_model.build_opencl(mod, target, d))
+    elif kind == cuda_model.ARTIFACT:
+        metadata, _ = _integer_metadata(metadata, program, kind)
+        key = cuda_model.artifact_key(key, target)
+        metadata["cache_key"] = key
+        library = cache.cached(_library_entry(key), lambda d: cuda_model.build_cuda(mod, target, d))
+    else:
+        library = cache.cached(_library_entry(key), lambda d: _build_library(mod, target, d / LIBRARY))
     if index is not None:
         text = json.dumps({"library_key": key, "metadata": metadata}, indent=1) + "\n"
         cache.cached(index, lambda directory: (directory / INDEX).write_text(text))
-    return CompiledModel(library / LIBRARY, metadata, library.hit, time.perf_counter() - start,
-                         library.digests[LIBRARY])
+    return _compiled(kind, library, metadata, target, start)
 
 
-def load_compiled(directory: str | Path) -> CompiledModel:
-    """Load a directory written by :meth:`CompiledModel.save`, refusing a corrupt or foreign one."""
+def _compiled(
+    kind: str, library: cache.Entry, metadata: dict[str, Any], target: Target, start: float
+) -> CompiledModel | IntegerModel:
+    seconds = time.perf_counter() - start
+    if kind in _INTEGER_ARTIFACTS:
+        return _INTEGER_ARTIFACTS[kind](library.path, metadata, target, library.hit, seconds, library.digests)
+    return CompiledModel(library / LIBRARY, metadata, library.hit, seconds, library.digests[LIBRARY])
+
+
+_INTEGER_ARTIFACTS = {c_api.ARTIFACT: c_api.CApiModel, opencl_model.ARTIFACT: opencl_model.OpenCLModel,
+                      cuda_model.ARTIFACT: cuda_model.CudaModel}  # fmt: skip
+# The files each needs (a CUDA build adds nvcc's, one pair per architecture).
+_ARTIFACT_FILES = {c_api.ARTIFACT: c_api.FILES, opencl_model.ARTIFACT: opencl_model.FILES,
+                   cuda_model.ARTIFACT: cuda_model.REQUIRED}  # fmt: skip
+_ARTIFACT_TARGETS = {c_api.ARTIFACT: C_API_TARGETS, opencl_model.ARTIFACT: OPENCL_TARGETS,
+                     cuda_model.ARTIFACT: CUDA_TARGETS}  # fmt: skip
+
+
+def _integer_metadata(
+    metadata: dict[str, Any], program: torch.export.ExportedProgram, kind: str
+) -> tuple[dict[str, Any], c_api.Interface]:
+    """``metadata`` of an artifact with integer input (the first quantizer's range) and output."""
+    quantizer = input_quantizer(program)
+    api = c_api.interface(metadata, None if quantizer is None else quantizer[1:])
+    metadata = {
+        **metadata,
+        "artifact": kind,
+        "input": {**metadata["input"], "dtype": api.input_dtype, "range": list(api.input_range)},
+        "output": {**metadata["output"], "dtype": "int32"},
+    }
+    return metadata, api
+
+
+def load_compiled(
+    directory: str | Path, target: str | None = None
+) -> CompiledModel | IntegerModel:
+    """Load a directory written by :meth:`CompiledModel.save` or :meth:`c_api.CApiModel.save`,
+    refusing a corrupt or foreign one, and one not compiled for ``target`` when given."""
     start = time.perf_counter()
     directory = Path(directory)
-    meta_path, library = directory / METADATA, directory / LIBRARY
-    for path in (meta_path, library):
-        if not path.is_file():
-            raise ValueError(f"compiled model {directory}: missing {path.name}")
+    meta_path = directory / METADATA
+    if not meta_path.is_file():
+        raise ValueError(f"compiled model {directory}: missing {METADATA}")
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"compiled model {directory}: {METADATA} is not valid JSON: {err}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ValueError(f"compiled model {directory}: {METADATA} is not a {FORMAT} version {VERSION} file")
-    for key in ("input", "output", "target", "versions", "library"):
+    kind = meta.get("artifact", VM_ARTIFACT)
+    for key in ("input", "output", "target", "versions", "files" if kind in _INTEGER_ARTIFACTS else "library"):
         if not isinstance(meta.get(key), dict):
             raise ValueError(f"compiled model {directory}: {METADATA} lacks a valid {key!r} entry")
+    built_for = meta["target"].get("name")
+    if target is not None and target_name(target) != built_for:
+        raise ValueError(f"compiled model {directory} was compiled for {built_for}, not {target_name(target)}")
+    if kind in _INTEGER_ARTIFACTS:
+        return _load_integer_artifact(directory, meta, kind, start)
+    if kind != VM_ARTIFACT:
+        raise ValueError(f"compiled model {directory}: unknown artifact {kind!r} in {METADATA}")
+    if built_for not in HOST_TARGETS:
+        raise ValueError(f"compiled model {directory}: {METADATA} says its {LIBRARY} is for {built_for}; "
+                         f"a {LIBRARY} runs on {', '.join(HOST_TARGETS)}")  # fmt: skip
+    library = directory / LIBRARY
+    if not library.is_file():
+        raise ValueError(f"compiled model {directory}: missing {LIBRARY}")
     if sha256_file(library) != meta["library"].get("sha256"):
         raise ValueError(f"compiled model {directory}: {LIBRARY} is corrupt or not the one {METADATA} describes "
                          "(its sha256 differs)")
@@ -277,6 +388,35 @@ def load_compiled(directory: str | Path) -> CompiledModel:
                          "compile it again")
     _check_cpu(directory, meta["target"].get("tvm") or {})
     return CompiledModel(library, meta, True, time.perf_counter() - start, meta["library"]["sha256"])
+
+
+def _load_integer_artifact(
+    directory: Path, meta: dict[str, Any], kind: str, start: float
+) -> IntegerModel:
+    """A saved C-API, OpenCL or CUDA model, its files checked against ``model.json``; a
+    C API's library must name the target ``model.json`` names."""
+    name = meta["target"].get("name")
+    if name not in _ARTIFACT_TARGETS[kind]:
+        raise ValueError(f"compiled model {directory}: {METADATA} names target {name!r}, which has no {kind} build")
+    digests = {}
+    for file in sorted(set(_ARTIFACT_FILES[kind]) | set(meta["files"])):
+        path, record = directory / file, meta["files"].get(file)
+        if not path.is_file() or not isinstance(record, dict):
+            raise ValueError(f"compiled model {directory}: missing {file}")
+        digests[file] = sha256_file(path)
+        if digests[file] != record.get("sha256"):
+            raise ValueError(f"compiled model {directory}: {file} is corrupt or not the one {METADATA} describes "
+                             "(its sha256 differs)")  # fmt: skip
+    if kind != c_api.ARTIFACT:
+        return _INTEGER_ARTIFACTS[kind](directory, meta, load_target(name), True, time.perf_counter() - start, digests)
+    model = c_api.CApiModel(directory, meta, load_target(name), True, 0.0, digests)
+    machine = model.runner_machine()
+    built = model.built_for() if machine == name else machine
+    if built != name:
+        raise ValueError(f"compiled model {directory}: {METADATA} says {name}, but its library was compiled for "
+                         f"{built}")  # fmt: skip
+    model.seconds = time.perf_counter() - start
+    return model
 
 
 def _check_cpu(directory: Path, built: dict[str, Any]) -> None:
@@ -320,10 +460,23 @@ def _metadata(
             },  # fmt: skip
         },
         "target": {"name": target.name, "tvm": target.tvm_spec(), "host": target.tvm_host_spec()},
+        "datapath": _datapath(program),
         "versions": _versions(),
         "cache_key": key,
         "exactness": {"summary": report.summary(), **report.to_json()},
     }
+
+
+def _datapath(program: torch.export.ExportedProgram) -> dict[str, Any]:
+    """What the compiled model computes in: float32 on the proven power-of-two grids,
+    and each qnorm integer op in its lanes (None: compares only, no per-element products)."""
+    ops = [int_op_info(n.args[1]) for n in program.graph.nodes if str(n.target) == "qnorm.int_op.default"]
+    return {
+        "float": "float32, every value on a power-of-two grid below 2^24 units (exactness proof)",
+        "int_ops": {info.name: {"op": type(info.op).__name__, "lanes": getattr(getattr(info.op, "config", None),
+                                                                                  "lanes", None)}
+                    for info in ops},
+    }  # fmt: skip
 
 
 def _shape(node: torch.fx.Node) -> list[int | None]:
@@ -368,7 +521,7 @@ def _tensor_constants(mod: tvm.IRModule) -> list[np.ndarray]:
     return found
 
 
-def model_key(model: nn.Module, example: torch.Tensor, target: Target) -> str | None:
+def model_key(model: nn.Module, example: torch.Tensor, target: Target, kind: str = VM_ARTIFACT) -> str | None:
     """The model-level cache key (see the module docstring), or None for a model whose
     code is not all in qnorm, torch and Brevitas (or that no registered describer of
     :func:`qnorm.deploy.model_spec` knows)."""
@@ -385,7 +538,7 @@ def model_key(model: nn.Module, example: torch.Tensor, target: Target) -> str | 
         "format": _KEY_FORMAT, "spec": spec, "modules": modules, "qnorm": collect_module_metadata(model),
         "versions": _versions(), "source": source_digest(), "target": target.tvm_spec(),
         "host": target.tvm_host_spec(), "cc": target.build.cc, "cflags": list(target.build.cflags),
-        "input": [list(example.shape[1:]), str(example.dtype)],
+        "input": [list(example.shape[1:]), str(example.dtype)], "artifact": kind,
     }  # fmt: skip
     digest.update(json.dumps(recipe, sort_keys=True).encode())
     for name, t in sorted(model.state_dict().items()):

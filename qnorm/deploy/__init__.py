@@ -18,6 +18,7 @@ from qnorm.deploy.exactness import (
     ExactnessReport,
     NotDeployableError,
     input_format,
+    input_quantizer,
     prove_exact,
 )
 from qnorm.deploy.export import export
@@ -30,6 +31,7 @@ __all__ = [
     "export",
     "freeze",
     "input_format",
+    "input_quantizer",
     "integer_ops",
     "model_spec",
     "prove_exact",

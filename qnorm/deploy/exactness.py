@@ -626,6 +626,19 @@ def input_format(ep: torch.export.ExportedProgram) -> QFormat | None:
     Reads the ``x / s -> round -> clamp(lo, hi)`` chain that a frozen quantizer
     exports to; None when the input meets something else first.
     """
+    found = input_quantizer(ep)
+    if found is None:
+        return None
+    scale, lo, hi = found
+    signed = lo < 0
+    return QFormat(max(hi, -lo - 1).bit_length() + signed, scale, signed)
+
+
+def input_quantizer(ep: torch.export.ExportedProgram) -> tuple[float, int, int] | None:
+    """``(s, lo, hi)`` of the model's first quantizer ``clamp(round(x / s), lo, hi)``
+    (``round`` ties to even, as ``torch.round``), or None when the input meets
+    something else first.  The integers ``lo .. hi`` are what the model computes on:
+    a narrow-range quantizer's ``lo`` is above its format's."""
     user = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
     node = user[0] if user else None
     steps: list[fx.Node] = []
@@ -639,5 +652,4 @@ def input_format(ep: torch.export.ExportedProgram) -> QFormat | None:
     scale, (lo, hi) = steps[0].args[1], steps[2].args[1:3]
     if not isinstance(scale, float) or not all(isinstance(v, int) for v in (lo, hi)):
         return None
-    signed = lo < 0
-    return QFormat(max(hi, -lo - 1).bit_length() + signed, scale, signed)
+    return scale, lo, hi

@@ -10,7 +10,7 @@
 //                                     STEM.sm_XY.cubin for this GPU, else the PTX of the
 //                                     newest older ARCH (the driver JIT-compiles it)
 //   run LABEL                         a run: its buffers, launches and checks, up to `end`
-//   buffer NAME DTYPE COUNT FILE|-    COUNT elements (int8/16/32/64), from FILE or zeroed
+//   buffer NAME DTYPE COUNT FILE|-    COUNT elements (int8/16/32/64, float32), from FILE or zeroed
 //   launch KERNEL GX GY GZ BX BY BZ NARGS ARG...   ARG: buf:NAME | i32:V | i64:V
 //   expect NAME FILE                  the buffer must equal FILE, element by element
 //   crc32 NAME VALUE                  the buffer's CRC-32 (zlib's) must be VALUE
@@ -49,6 +49,7 @@ size_t dtype_size(const std::string& dtype) {
   if (dtype == "int8") return 1;
   if (dtype == "int16") return 2;
   if (dtype == "int32") return 4;
+  if (dtype == "float32") return 4; /* a whole model's float buffers: compared bit for bit, as int32 */
   if (dtype == "int64") return 8;
   throw SetupError("unknown dtype " + dtype);
 }
