@@ -276,6 +276,13 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "membrane_leak": _membrane_leak,
     "segment_curve": _segment_curve,
     "segment_slope": _segment_slope,
+    # softmax: the two digits' table entries (int16 logits only), then e·r
+    "exp_product": lambda op, rep: (
+        _product(rep, "exp_lo·exp_hi", *(_interval_of(t) for t in op.tables), "exp_product")
+        if "exp_product" in rep.items
+        else None
+    ),
+    "prob_product": lambda op, rep: _product(rep, "exp·recip", rep["exp"], rep["recip"], "prob_product"),
     "membrane_slope": lambda op, rep: _product(
         rep, "membrane·slope", rep["membrane"], _interval_of(op._slope), "bn_product"
     ),

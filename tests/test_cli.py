@@ -53,7 +53,7 @@ BAD_ARGS = [
     (["verify", "--bogus"], 2, "qnorm verify: error: unrecognized arguments: --bogus"),
     (["verify", "--target", "vax"], 2, "qnorm verify: error: unknown target 'vax'; known targets: aarch64, cuda"),
     (["verify", "--target", "x86_64", "--case", "int_*", "nope*"], 2,
-     "qnorm verify: error: no case matches 'nope*' (qnorm verify --list shows the 34 cases)"),
+     f"qnorm verify: error: no case matches 'nope*' (qnorm verify --list shows the {len(CASES)} cases)"),
     (["verify", "--elements", "0"], 2, "qnorm verify: error: argument --elements: must be >= 1, got 0"),
     (["compile", "{missing}", "-o", "{out}"], 2, "qnorm compile: error: checkpoint directory {missing} does not exist"),
     (["compile", "{file}", "-o", "{out}"], 2, "qnorm compile: error: checkpoint {file} is a file"),

@@ -43,6 +43,7 @@ FAMILY_CASES = [
     "multithreshold.int4.c16.relu4.half_even",
     "mpbn_lif.int8.c16.soft.gt.noleak",
     "folded_lif.int4.c8.soft.ge.leak05",
+    "softmax.int8.n16.causal",
 ]
 ELEMENTS = 20_000  # random input elements per case, on top of the edge and exhaustive vectors
 

@@ -39,6 +39,7 @@ ONE_PER_FAMILY = (
     "multithreshold.int8.c16.s3.floor",
     "mpbn_lif.int8.c16.soft.gt.noleak",
     "folded_lif.int4.c8.soft.ge.leak05",
+    "softmax.int8.n197",  # a max and a sum reduction across threads, table loads
 )
 ELEMENTS = 4096  # random elements per case in the normal run (edge/exhaustive sets come on top)
 

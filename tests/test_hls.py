@@ -43,6 +43,7 @@ ONE_PER_FAMILY = (
     "multithreshold.int8.c16.s3.floor",  # 2-D constants (levels x channels)
     "mpbn_lif.int8.c16.hard.ge.leak0875",  # time-major: steps is a port
     "folded_lif.int4.c8.soft.ge.leak05",
+    "softmax.int8.n32.padding",  # exp table as a constant array, masks in the data
 )
 REFUSED_CASE = "int_layernorm.int16.n48"  # S·S needs 22x22 bits: beyond the DSP's 18-bit port
 

@@ -33,6 +33,8 @@ from qnorm.verify.cases import CASES, case_named
 from qnorm.verify.vectors import golden_inputs
 
 REFUSED_ON_HLS = "int_layernorm.int16.n48"
+# int16 probabilities need 24-bit exp tables: their digits' product passes the 48-bit accumulator
+SOFTMAX_REFUSED_ON_HLS = "softmax.int16.n64"
 FAMILY_CASES = (
     "int_layernorm.int8.n64",
     "l1_layernorm.int8.n64",
@@ -42,6 +44,7 @@ FAMILY_CASES = (
     "multithreshold.int8.c16.relu4",
     "mpbn_lif.int8.c16.hard.ge.leak0875",
     "folded_lif.int8.c16.hard.ge.leak0875",
+    "softmax.int16.n64",  # two table digits: exp_lo·exp_hi
 )
 
 
@@ -69,7 +72,8 @@ def test_fpga_hls_refuses_exactly_the_wide_product_case() -> None:
             check_target(case.build(), hls)
         except TargetLimitError as err:
             refused[case.name] = str(err)
-    assert list(refused) == [REFUSED_ON_HLS]
+    assert list(refused) == [REFUSED_ON_HLS, SOFTMAX_REFUSED_ON_HLS]
+    assert "'exp_product' spans [0, 281474976710656], which needs 50 bits" in refused[SOFTMAX_REFUSED_ON_HLS]
     message = refused[REFUSED_ON_HLS]
     for part in (
         "int_layernorm cannot run exactly on fpga-hls",
@@ -180,6 +184,7 @@ def test_product_tables_cover_the_families() -> None:
     assert labels["multithreshold"] == []
     assert labels["mpbn_lif"] == ["leak_product = membrane·leak", "bn_product = membrane·slope"]
     assert labels["folded_lif"] == ["leak_product = membrane·leak"]
+    assert labels["softmax"] == ["exp_product = exp_lo·exp_hi", "prob_product = exp·recip"]
 
 
 def test_an_op_without_a_product_table_is_refused() -> None:

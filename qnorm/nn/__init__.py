@@ -5,6 +5,7 @@ golden op's own integer body, run on torch int64 tensors); its backward is the
 gradient of a documented float surrogate.  ``layer.golden()`` returns the golden op
 for the current parameters, ``layer.qnorm_metadata()`` a JSON-ready description, and
 the BN-based layers' ``fold()`` the equivalent folded integer module.
+:class:`IntSoftmax` (:mod:`qnorm.nn.softmax`) is the integer softmax of attention.
 Shared machinery (the recipe every layer follows, and the modules of its steps): :mod:`qnorm.nn._qat`.
 The norm and neuron kinds models and conversions choose layers by: :mod:`qnorm.nn.kinds`.
 """
@@ -16,6 +17,7 @@ from qnorm.nn.bnact import BNQuantAct, MultiThresholdAct
 from qnorm.nn.kinds import register_training_kinds
 from qnorm.nn.norms import IntLayerNorm, IntNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput
+from qnorm.nn.softmax import IntSoftmax
 from qnorm.nn.spiking import MPBNLIF, FoldedMPBNLIF
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "IntNorm",
     "IntRMSNorm",
     "IntSiLU",
+    "IntSoftmax",
     "L1LayerNorm",
     "MultiThresholdAct",
     "QATModule",

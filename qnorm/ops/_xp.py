@@ -46,3 +46,36 @@ def const_like(x: Any, values: np.ndarray) -> Any:
 
         return torch.as_tensor(values, dtype=torch.int64, device=x.device)
     return values
+
+
+def row_max(x: Any) -> Any:
+    """Maximum over the last axis, keeping it."""
+    if is_torch(x):
+        return x.amax(dim=-1, keepdim=True)
+    return x.max(axis=-1, keepdims=True)
+
+
+def lookup(table: np.ndarray, idx: Any) -> Any:
+    """``table[idx]`` element-wise: an int64 table read at int64 indices (on idx's backend)."""
+    return const_like(idx, table)[idx]
+
+
+def row_index(x: Any) -> Any:
+    """Each row's position in the flattened leading axes, shape ``(*x.shape[:-1], 1)``."""
+    lead = tuple(x.shape[:-1])
+    count = int(np.prod(lead, dtype=np.int64))
+    if is_torch(x):
+        import torch
+
+        return torch.arange(count, dtype=torch.int64, device=x.device).reshape(*lead, 1)
+    return np.arange(count, dtype=np.int64).reshape(*lead, 1)
+
+
+def column_index(x: Any) -> Any:
+    """Each column's position in its row, shape ``(n,)``."""
+    n = int(x.shape[-1])
+    if is_torch(x):
+        import torch
+
+        return torch.arange(n, dtype=torch.int64, device=x.device)
+    return np.arange(n, dtype=np.int64)

@@ -15,7 +15,8 @@ Coverage: every op family; int4, int8 and int16 inputs; N = 1, small
 non-powers of two, 64 and 768; partial RMSNorm; 1- and 2-term shift norms;
 non-default tie rules; γ < 0 and γ = 0 channels; hard/soft reset, leak, ``>=``
 and ``>`` for the spiking neurons; int8 (table) and int16 (segments) GELU and
-SiLU with power-of-two and dyadic scales.
+SiLU with power-of-two and dyadic scales; softmax over int8 and int16 logits with
+uint8 / int16 probabilities, causal and padding masks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops.activation import IntGELU, IntSiLU
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
+from qnorm.ops.softmax import IntSoftmax
 from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig, MPBNNeuron
 from qnorm.qformat import QFormat
 
@@ -107,6 +109,8 @@ NORM_OUT = fmt(8, 2.0**-5)  # int8 over [-4, 4): normalized values with gamma ~ 
 RELU4 = fmt(4, 0.25, signed=False)  # a 16-level quantized ReLU on [0, 3.75]
 SIGNED8 = fmt(8, 2.0**-5)
 SIGNED3 = fmt(3, 0.5)  # 8 levels: a short multi-threshold with negative levels
+PROB8 = fmt(8, 2.0**-8, signed=False)  # probabilities in [0, 255/256]
+PROB16 = fmt(16, 2.0**-15)  # int16 probabilities in [0, 1)
 
 
 # --------------------------------------------------------------------------- float parameters
@@ -195,6 +199,10 @@ def _build_activation(cls: Any) -> Callable[[Mapping[str, Any], np.random.Genera
         return cls.of(fmt_from(cfg["in"]), fmt_from(cfg["out"]), cfg["rounding"])
 
     return build
+def _build_softmax(cfg: Mapping[str, Any], rng: np.random.Generator) -> IntOp:
+    """No float parameters: the config is the op (masks included)."""
+    options = {k: cfg[k] for k in ("causal", "causal_offset", "query_len", "padding") if k in cfg}
+    return IntSoftmax.build(cfg["n"], fmt_from(cfg["in"]), fmt_from(cfg["out"]), rounding=cfg["rounding"], **options)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,7 @@ _FAMILIES: dict[str, Family] = {
     FoldedLIFNeuron.name: Family(TIME, _build_lif(FoldedLIFNeuron), FoldedLIFNeuron),
     IntGELU.name: Family(CHANNELS, _build_activation(IntGELU), IntGELU),
     IntSiLU.name: Family(CHANNELS, _build_activation(IntSiLU), IntSiLU),
+    IntSoftmax.name: Family(ROWS, _build_softmax, IntSoftmax),
 }
 
 
@@ -276,6 +285,12 @@ def _activation(op: str, in_name: str, out_name: str, rounding: str = "half_up")
     name = ".".join([op, in_name, out_name, *([rounding] if rounding != "half_up" else [])])
     cfg = {"in": ACT_FORMATS[in_name], "out": ACT_FORMATS[out_name], "channels": ACTIVATION_ROW, "rounding": rounding}
     return Case(name, op, cfg)
+def _softmax(in_name: str, scale: float, n: int, out: dict[str, Any], **masks: Any) -> Case:
+    """A softmax over rows of n logits; masks: ``causal`` (a T = n square score matrix) or ``padding``."""
+    bits = {"int8": 8, "int16": 16}[in_name]
+    tags = [k for k, v in masks.items() if v is True]
+    name = ".".join([IntSoftmax.name, in_name, f"n{n}", *tags])
+    return Case(name, IntSoftmax.name, {"in": fmt(bits, scale), "out": out, "n": n, "rounding": "half_up", **masks})
 
 
 def _catalogue() -> tuple[Case, ...]:
@@ -320,6 +335,13 @@ def _catalogue() -> tuple[Case, ...]:
     cases += [
         _activation(IntGELU.name, "d8", "d8out", "half_even"),
         _activation(IntSiLU.name, "d16", "d16out", "floor"),
+    ]
+    cases += [
+        _softmax("int8", 0.05, 64, PROB8),  # a dyadic logit scale
+        _softmax("int8", 2.0**-4, 197, PROB8),  # ViT-B/16: 196 patches + class token
+        _softmax("int16", 2.0**-10, 64, PROB16),
+        _softmax("int8", 2.0**-3, 16, PROB8, causal=True),
+        _softmax("int8", 0.1, 32, PROB8, padding=True),  # x == -128 is a padded key
     ]
     names = [c.name for c in cases]
     if len(set(names)) != len(names):

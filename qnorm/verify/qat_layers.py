@@ -4,8 +4,9 @@ The :mod:`qnorm.nn` layer of the op's family, built from the op's float
 parameters and options in eval mode: for a norm or a neuron, the layer of the
 registered kind that runs the op (:func:`qnorm.nn.kinds.for_golden`: IntLayerNorm,
 L1LayerNorm, ShiftLayerNorm, IntRMSNorm, MPBNLIF and its fold FoldedMPBNLIF), and
-BNQuantAct and its fold MultiThresholdAct for BN + quantized activation, and
-IntGELU / IntSiLU (:mod:`qnorm.nn.activation`) for the activations.  Its ``golden()`` must equal the op's integer config and constants (else FAIL: the
+BNQuantAct and its fold MultiThresholdAct for BN + quantized activation,
+IntGELU / IntSiLU (:mod:`qnorm.nn.activation`) for the activations and IntSoftmax
+for softmax.  Its ``golden()`` must equal the op's integer config and constants (else FAIL: the
 layer's derivation drifted), and its float32 forward on the dequantized input
 must be exactly an integer times the output scale; those integers are compared.  Where the layer cannot hold the op (a β on
 RMSNorm, per-neuron parameters, ...) the op's own ``_forward`` runs on torch
@@ -31,6 +32,7 @@ from qnorm.ops._normcore import NormOp
 from qnorm.ops.activation import IntActivation, IntGELU, IntSiLU
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
+from qnorm.ops.softmax import IntSoftmax
 from qnorm.ops.spiking import FoldedLIFNeuron, MPBNNeuron
 from qnorm.verify.registry import BackendError, Runner
 
@@ -52,7 +54,7 @@ def _layer_output_ints(y: torch.Tensor, scale: float) -> np.ndarray:
 
 def _integer_fields(op: IntOp) -> dict[str, Any]:
     """What defines an op's integer behaviour: the config and integer constants golden() must match."""
-    if isinstance(op, NormOp):
+    if isinstance(op, (NormOp, IntSoftmax)):
         return {"config": op.config}
     if isinstance(op, IntActivation):
         return {"cfg": op.cfg, **op.tables}
@@ -142,10 +144,21 @@ def _load_bn_state(layer: torch.nn.Module, ref: Any) -> None:
         layer.running_var.copy_(torch.from_numpy(ref.var))
 
 
-# BN + quantized activation is no norm or neuron kind (convert makes it from a BatchNorm).
+def _softmax_layer(op: IntSoftmax) -> torch.nn.Module:
+    """qnorm.nn.IntSoftmax with the op's formats and masks (eval mode)."""
+    cfg = op.config
+    return qnn.IntSoftmax(
+        cfg.n, cfg.out_fmt, cfg.in_fmt, causal=cfg.causal, causal_offset=cfg.causal_offset,
+        query_len=cfg.query_len, padding=cfg.padding, rounding=cfg.rounding,
+    ).eval()  # fmt: skip
+
+
+# Layers that are no norm or neuron kind: BN + quantized activation (convert makes it
+# from a BatchNorm) and the softmax.
 _BN_LAYERS: dict[type, tuple[str, Callable[[Any], torch.nn.Module]]] = {
     BNQuant: ("qnorm.nn.BNQuantAct", _bn_layer),
     MultiThreshold: ("qnorm.nn.BNQuantAct(...).fold() = MultiThresholdAct", lambda op: _bn_layer(op).fold()),
+    IntSoftmax: ("qnorm.nn.IntSoftmax", _softmax_layer),
 }
 # Folded golden ops -> the golden op whose kind's layer folds into them.
 _UNFOLDED: dict[type, type] = {FoldedLIFNeuron: MPBNNeuron}

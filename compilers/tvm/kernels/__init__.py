@@ -6,8 +6,9 @@ the scheduled IRModule and the per-channel constants it takes as arguments);
 (:mod:`compilers.tvm.schedules`; the CPU one by default);
 ``kernel_for(op).build(target)`` compiles it through the build cache and returns
 a callable that maps the op's integer input to its output.  Every constant and
-stage comes from the op instance at build time (see :mod:`.norms` and
-:mod:`.bnfold` for which op functions run on TIR and which are mirrored).
+stage comes from the op instance at build time (see :mod:`.norms`,
+:mod:`.bnfold` and :mod:`.softmax` for which op functions run on TIR and which
+are mirrored).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from compilers.tvm.kernels.bnfold import (
     multithreshold_kernel,
 )
 from compilers.tvm.kernels.norms import norm_kernel
+from compilers.tvm.kernels.softmax import softmax_kernel
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.activation import IntActivation
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
+from qnorm.ops.softmax import IntSoftmax
 from qnorm.ops.spiking import _LIFNeuron
 
 _BUILDERS: tuple[tuple[type, Any], ...] = (
@@ -34,6 +37,7 @@ _BUILDERS: tuple[tuple[type, Any], ...] = (
     (BNQuant, bnquant_kernel),
     (_LIFNeuron, lif_kernel),
     (IntActivation, activation_kernel),
+    (IntSoftmax, softmax_kernel),
 )
 
 
