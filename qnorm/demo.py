@@ -167,6 +167,8 @@ def run_demo(out: Path, seed: int = 0) -> str:
 DEPLOY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixer-int_ln": ("mixer", {"norm": "int_ln"}),
     "snn-int_mpbn_lif-pow2": ("snn", {"neuron": "int_mpbn_lif", "pow2": True}),
+    "transformer-int_ln": ("transformer", {"norm": "int_ln", "integer": True}),
+    "llama-int_rms": ("transformer", {"norm": "int_rms", "integer": True, "mlp": "swiglu"}),
 }
 
 
@@ -202,11 +204,22 @@ def deploy_recipes(quick: bool) -> dict[str, Any]:
     from qnorm.train.experiment import Recipe
 
     if quick:
+        transformer = Recipe(epochs=1, lr=5e-3, train_samples=512)
         return {
             "mixer": Recipe(epochs=2, lr=5e-3, train_samples=512),
             "snn-pow2": Recipe(epochs=1, lr=3e-3, train_samples=512),
+            "transformer-int": transformer,
+            "llama": transformer,
         }
-    return {"mixer": Recipe(epochs=8, lr=5e-3), "snn-pow2": Recipe(epochs=4, lr=3e-3)}
+    # The integer transformers train several times slower per epoch than the mixer
+    # (attention, and the integer softmax and activation in every forward): fewer epochs.
+    transformer = Recipe(epochs=4, lr=5e-3)
+    return {
+        "mixer": Recipe(epochs=8, lr=5e-3),
+        "snn-pow2": Recipe(epochs=4, lr=3e-3),
+        "transformer-int": transformer,
+        "llama": transformer,
+    }
 
 
 def deploy_checkpoint(out: Path, name: str) -> Path:
@@ -254,7 +267,7 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     checkpoints = {name: deploy_checkpoint(out, name) for name in DEPLOY_MODELS}
 
     start = time.perf_counter()
-    # Trained as `qnorm train --family mixer snn-pow2` trains them, with the demo's recipes.
+    # Trained as `qnorm train --family mixer snn-pow2 transformer-int llama` trains them, with the demo's recipes.
     work = []
     epochs = {}
     for name, (kind, config) in DEPLOY_MODELS.items():
