@@ -394,7 +394,10 @@ def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
 
     from qnorm.deploy.exactness import EXACT_BITS
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    # the accuracy panel widens with the number of models, so their bars and labels keep apart
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(9 + 0.6 * len(rows), 4), gridspec_kw={"width_ratios": [3, 0.35 * len(rows)]}
+    )
     offset = 0
     for r in rows:
         pos = np.arange(offset, offset + len(r.headroom))
@@ -414,8 +417,8 @@ def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
     right.bar(pos + width / 2, [100 * r.compiled_accuracy for r in rows], width, label="compiled (TVM)")
     for p, r in zip(pos, rows):
         top = 100 * max(r.qat_accuracy, r.compiled_accuracy)
-        right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=8)
-    right.set_xticks(pos, [r.name.split("-")[0] for r in rows])
+        right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=7)
+    right.set_xticks(pos, [r.name.split("-")[0] for r in rows], fontsize=8)
     right.set_ylabel("test accuracy (%)")
     right.set_ylim(0, 135)
     right.set_yticks(range(0, 101, 20))
