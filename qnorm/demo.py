@@ -172,6 +172,8 @@ def run_demo(out: Path, seed: int = 0) -> str:
 DEPLOY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixer-int_ln": ("mixer", {"norm": "int_ln"}),
     "snn-int_mpbn_lif-pow2": ("snn", {"neuron": "int_mpbn_lif", "pow2": True}),
+    "transformer-int_ln": ("transformer", {"norm": "int_ln", "integer": True}),
+    "llama-int_rms": ("transformer", {"norm": "int_rms", "integer": True, "mlp": "swiglu"}),
 }
 
 
@@ -207,11 +209,22 @@ def deploy_recipes(quick: bool) -> dict[str, Any]:
     from qnorm.train.experiment import Recipe
 
     if quick:
+        transformer = Recipe(epochs=1, lr=5e-3, train_samples=512)
         return {
             "mixer": Recipe(epochs=2, lr=5e-3, train_samples=512),
             "snn-pow2": Recipe(epochs=1, lr=3e-3, train_samples=512),
+            "transformer-int": transformer,
+            "llama": transformer,
         }
-    return {"mixer": Recipe(epochs=8, lr=5e-3), "snn-pow2": Recipe(epochs=4, lr=3e-3)}
+    # The integer transformers train several times slower per epoch than the mixer
+    # (attention, and the integer softmax and activation in every forward): fewer epochs.
+    transformer = Recipe(epochs=4, lr=5e-3)
+    return {
+        "mixer": Recipe(epochs=8, lr=5e-3),
+        "snn-pow2": Recipe(epochs=4, lr=3e-3),
+        "transformer-int": transformer,
+        "llama": transformer,
+    }
 
 
 def deploy_checkpoint(out: Path, name: str) -> Path:
@@ -259,7 +272,7 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
     checkpoints = {name: deploy_checkpoint(out, name) for name in DEPLOY_MODELS}
 
     start = time.perf_counter()
-    # Trained as `qnorm train --family mixer snn-pow2` trains them, with the demo's recipes.
+    # Trained as `qnorm train --family mixer snn-pow2 transformer-int llama` trains them, with the demo's recipes.
     work = []
     epochs = {}
     for name, (kind, config) in DEPLOY_MODELS.items():
@@ -386,7 +399,10 @@ def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
 
     from qnorm.deploy.exactness import EXACT_BITS
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
+    # the accuracy panel widens with the number of models, so their bars and labels keep apart
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(9 + 0.6 * len(rows), 4), gridspec_kw={"width_ratios": [3, 0.35 * len(rows)]}
+    )
     offset = 0
     for r in rows:
         pos = np.arange(offset, offset + len(r.headroom))
@@ -406,8 +422,8 @@ def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
     right.bar(pos + width / 2, [100 * r.compiled_accuracy for r in rows], width, label="compiled (TVM)")
     for p, r in zip(pos, rows):
         top = 100 * max(r.qat_accuracy, r.compiled_accuracy)
-        right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=8)
-    right.set_xticks(pos, [r.name.split("-")[0] for r in rows])
+        right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=7)
+    right.set_xticks(pos, [r.name.split("-")[0] for r in rows], fontsize=8)
     right.set_ylabel("test accuracy (%)")
     right.set_ylim(0, 135)
     right.set_yticks(range(0, 101, 20))

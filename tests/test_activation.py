@@ -247,3 +247,15 @@ def test_the_x86_kernel_is_bit_exact_on_every_code(op):
     assert np.array_equal(compiled(q), op.forward(q))
     with pytest.raises(ValueError, match="takes rows of shape"):
         compiled(q.reshape(-1, ELEMENT_ROW // 2))
+
+
+def test_the_kernel_takes_rows_of_any_length():
+    pytest.importorskip("tvm")
+    from compilers.tvm.kernels import kernel_for
+
+    op = IntGELU.of(D8, D8_OUT, Round.HALF_EVEN)
+    compiled = kernel_for(op, row=24).build(load_target("x86_64"))  # not a multiple of ELEMENT_ROW
+    q = codes(op.in_fmt).reshape(-1, 32)[:, :24]
+    assert np.array_equal(compiled(q), op.forward(q))
+    with pytest.raises(ValueError, match="at least one element"):
+        kernel_for(op, row=0)

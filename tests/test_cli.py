@@ -67,7 +67,7 @@ BAD_ARGS = [
     (["golden", "--case", "nope"], 2, "qnorm golden: error: no case matches 'nope'"),
     (["demo", "--out", "{file}"], 2, "qnorm demo: error: argument --out: {file} exists and is not a directory"),
     (["train", "--family", "mlp", "--out", "{out}"], 2,
-     "qnorm train: error: unknown model family 'mlp'; known: transformer, snn, mixer, snn-pow2"),
+     "qnorm train: error: unknown model family 'mlp'; known: transformer, snn, mixer, snn-pow2, transformer-int, llama"),
     ([], 2, "qnorm: error: the following arguments are required: command"),
 ]  # fmt: skip
 

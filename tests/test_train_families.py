@@ -64,6 +64,10 @@ def test_families_resolve_their_own_kinds():
     assert {f for f, _ in resolve_kinds()} == {"transformer", "snn"}
     assert resolve_kinds(families=["mixer"]) == [("mixer", k) for k in ("int_ln", "l1", "shift", "int_rms")]
     assert resolve_kinds(families=["snn-pow2"]) == [("snn-pow2", "int_mpbn_lif")]
+    assert resolve_kinds(families=["transformer-int"]) == [
+        ("transformer-int", k) for k in ("int_ln", "l1", "shift", "int_rms")]
+    assert resolve_kinds(families=["llama"]) == [("llama", "int_rms")]
+    assert FAMILIES["llama"].config("int_rms") == {"norm": "int_rms", "integer": True, "mlp": "swiglu"}
     assert resolve_kinds(["int_ln", "int_mpbn_lif"], ["transformer", "mixer", "snn-pow2"]) == [
         ("transformer", "int_ln"), ("mixer", "int_ln"), ("snn-pow2", "int_mpbn_lif")]
     with pytest.raises(ValueError, match=r"kind 'float' is trained by none of mixer; "
@@ -72,7 +76,7 @@ def test_families_resolve_their_own_kinds():
     with pytest.raises(ValueError, match=r"kind 'float_mpbn_lif' is trained by none of snn-pow2; "
                                          r"deployable neuron kinds \(snn-pow2\): int_mpbn_lif$"):
         resolve_kinds(["float_mpbn_lif"], ["snn-pow2"])
-    with pytest.raises(ValueError, match="unknown model family 'resnet'; known: transformer, snn, mixer, snn-pow2"):
+    with pytest.raises(ValueError, match="unknown model family 'resnet'; known: transformer, snn, mixer, snn-pow2, transformer-int, llama"):
         resolve_kinds(families=["mixer", "resnet"])
 
 

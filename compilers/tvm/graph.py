@@ -151,7 +151,6 @@ def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) ->
 
 def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> relax.Expr:
     info = int_op_info(node.args[1])
-    kernel = kernel_for(info.op, schedule)
     bb = importer.block_builder
     name = "qnorm_" + "".join(c if c.isalnum() else "_" for c in info.name)
     x = importer.env[node.args[0]]
@@ -159,6 +158,8 @@ def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> r
     channel = info.channel_dim % ndim
     order = [d for d in range(ndim) if d != channel] + [channel]
     moved = x if order == list(range(ndim)) else bb.emit(relax.op.permute_dims(x, order))
+    # an elementwise op (an activation) takes rows of any length: the tensor's last axis
+    kernel = kernel_for(info.op, schedule, row=int(moved.ty.shape[-1]))
     q = bb.emit_te(_quantizer(info.op.in_fmt, kernel.in_dtype), moved, primfunc_name_hint=f"{name}_quantize")
     lead = 1 if kernel.time_major else 0
     row = math.prod(kernel.row_shape)

@@ -57,10 +57,12 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--family", nargs="+", metavar="FAMILY",
                         help="model families to train: transformer (norm kinds), snn (neuron "
                              "kinds), and the deployable ones whose checkpoints `qnorm compile` "
-                             "takes: mixer (integer norm kinds), snn-pow2 (integer neuron kinds); "
-                             "default: transformer snn")
+                             "takes: mixer (integer norm kinds), snn-pow2 (integer neuron kinds), "
+                             "transformer-int (integer attention and GELU; integer norm kinds, "
+                             "compared with the float transformer), llama (pre-RMSNorm, gated "
+                             "SiLU); default: transformer snn")
     parser.add_argument("--epochs", type=positive_int,
-                        help="epochs for every model (default: 20 transformer and mixer, 8 SNN; "
+                        help="epochs for every model (default: 20 transformers and mixer, 8 SNN; "
                              "--quick: 4 and 2)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the split, the initialization and the data order (default 0)")
@@ -68,7 +70,8 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="norm and neuron kinds, each trained in every chosen family that "
                              "takes it; default per family: transformer float LN and every "
                              "integer norm (int_ln l1 shift int_rms), snn the float and integer "
-                             "MPBN LIF, mixer every integer norm, snn-pow2 int_mpbn_lif")
+                             "MPBN LIF, mixer and transformer-int every integer norm, llama "
+                             "int_rms, snn-pow2 int_mpbn_lif")
     parser.add_argument("--quick", action="store_true",
                         help="smoke-test size: few epochs on 512 training samples")
     parser.add_argument("--jobs", type=positive_int,

@@ -21,8 +21,10 @@ class Family:
 
     `deployable`: only kinds whose layers calibrate power-of-two scales (every
     checkpoint compiles); `reference`: the float kind the family's rows are compared
-    with (None: none).  The kinds trained when none are named (:attr:`defaults`): the
-    reference, then every registered integer kind of the slot that is no variant.
+    with (None: none), trained in this family or, for a deployable family whose float
+    baseline is another family's reference, in `reference_family`.  The kinds trained
+    when none are named (:attr:`defaults`): the reference, then `main` if given, else
+    every registered integer kind of the slot that is no variant.
     """
 
     model: str
@@ -30,6 +32,8 @@ class Family:
     reference: str | None
     deployable: bool = False
     options: tuple[tuple[str, Any], ...] = ()
+    main: tuple[str, ...] = ()
+    reference_family: str | None = None
 
     def config(self, kind: str) -> dict[str, Any]:
         return {self.slot: kind, **dict(self.options)}
@@ -39,8 +43,11 @@ class Family:
         """The reference (if any), then the main integer kinds this family can train, in registration order."""
         from qnorm.nn.kinds import integer_kinds
 
-        integer = [k.name for k in integer_kinds(self.slot, variants=False) if k.deployable or not self.deployable]
-        return (*([self.reference] if self.reference else []), *integer)
+        integer = self.main or [
+            k.name for k in integer_kinds(self.slot, variants=False) if k.deployable or not self.deployable
+        ]
+        own_reference = self.reference if self.reference and self.reference_family is None else None
+        return (*([own_reference] if own_reference else []), *integer)
 
     def kinds(self) -> list[str]:
         """The registered kinds this family trains."""
@@ -58,6 +65,15 @@ FAMILIES = {
     "snn": Family("snn", "neuron", "float_mpbn_lif"),
     "mixer": Family("mixer", "norm", None, deployable=True),
     "snn-pow2": Family("snn", "neuron", None, deployable=True, options=(("pow2", True),)),
+    # The integer transformer (IntSoftmax attention, IntGELU MLP), compared with the float
+    # transformer of "transformer"; and the LLaMA-style one: pre-RMSNorm, gated IntSiLU MLP.
+    "transformer-int": Family(
+        "transformer", "norm", "float", deployable=True, options=(("integer", True),), reference_family="transformer"
+    ),
+    "llama": Family(
+        "transformer", "norm", "float", deployable=True, options=(("integer", True), ("mlp", "swiglu")),
+        main=("int_rms",), reference_family="transformer",
+    ),
 }
 DEFAULT_FAMILIES = ("transformer", "snn")
 

@@ -4,8 +4,9 @@ Three models, all with int8 weights and int8 activation fake-quantization where 
 linear or conv consumes a non-integer tensor:
 
 * `DigitsTransformer`: row tokens -> 2 pre-norm encoder blocks -> mean-pool -> head.
-  Every norm layer comes from `norm_factory(kind, dim)`. Float softmax and GELU:
-  not deployable by `qnorm compile`.
+  Every norm layer comes from `norm_factory(kind, dim)`. Float softmax and GELU
+  (not deployable by `qnorm compile`), or with `integer=True` IntSoftmax attention
+  and an IntGELU (or LLaMA-style gated IntSiLU) MLP on power-of-two grids: deployable.
 * `DigitsMixer`: row tokens -> MLP-mixer blocks (token MLP, channel MLP, ReLU) ->
   mean-pool -> head, with power-of-two scales everywhere: deployable.
 * `DigitsSNN`: direct-encoded convolutional spiking network. Every spiking neuron
@@ -53,7 +54,9 @@ from torch import nn
 
 from qnorm.deploy.spec import register_spec
 from qnorm.nn import kinds as layer_kinds
+from qnorm.nn.activation import IntGELU, IntSiLU
 from qnorm.nn.kinds import NEURON, NORM, Kind
+from qnorm.nn.softmax import IntSoftmax
 
 ModuleCtor = Callable[..., nn.Module]
 
@@ -201,6 +204,11 @@ def _pow2_act(act_range: float) -> Any:
     return Int8ActPerTensorPow2MinMaxInit.let(min_val=-act_range, max_val=act_range)
 
 
+def _pow2_identity(act_range: float) -> qnn.QuantIdentity:
+    """An int8 activation quantizer with a learned power-of-two scale."""
+    return qnn.QuantIdentity(act_quant=_pow2_act(act_range), return_quant_tensor=False)
+
+
 def pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.QuantLinear:
     """An int8 x int8 linear on power-of-two grids with a bias on the accumulator's grid:
     the Brevitas layer ``qnorm compile`` proves exact (also for models of your own).
@@ -214,6 +222,9 @@ def pow2_linear(in_features: int, out_features: int, act_range: float) -> qnn.Qu
     )  # fmt: skip
 
 
+MLP_KINDS = ("gelu", "swiglu")
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     norm: str = "float"
@@ -225,6 +236,11 @@ class TransformerConfig:
     mlp_ratio: int = 2
     classes: int = 10
     act_range: float = 4.0
+    # Integer attention (IntSoftmax) and MLP (IntGELU / IntSiLU), power-of-two scales
+    # everywhere: deployable by `qnorm compile`.  False: float softmax and activation.
+    integer: bool = False
+    # "gelu": fc1 -> GELU -> fc2; "swiglu": LLaMA's gated MLP, fc2(SiLU(fc1(x)) * fc3(x)).
+    mlp: str = "gelu"
 
 
 class _SelfAttention(nn.Module):
@@ -264,12 +280,96 @@ class _EncoderBlock(nn.Module):
         return x + self.fc2(hidden)
 
 
+class _IntSelfAttention(nn.Module):
+    """Multi-head attention whose every step is exact on power-of-two grids.
+
+    q, k, v come from one pow2 linear and are each quantized to int8 on a power-of-two
+    grid, so ``q @ kᵀ`` is exact on the grid s_q·s_k (head_dim·127² units, far below
+    2^24).  The 1/sqrt(head_dim) factor is the nearest power of two (exact for a
+    head_dim that is a power of 4; otherwise the learned query weights absorb the
+    difference): a multiplication by a power of two is exact.  IntSoftmax quantizes
+    the scores on its calibrated power-of-two grid and returns uint8 probabilities
+    on 2^-8, so ``P @ v`` is exact on 2^-8·s_v (tokens·255·127 units).  The output
+    projection quantizes the context itself.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.heads:
+            raise ValueError(f"dim {cfg.dim} is not divisible by heads {cfg.heads}")
+        self.heads = cfg.heads
+        head_dim = cfg.dim // cfg.heads
+        self.score_scale = 2.0 ** -round(math.log2(head_dim) / 2)
+        self.qkv = pow2_linear(cfg.dim, 3 * cfg.dim, cfg.act_range)
+        self.q_quant, self.k_quant, self.v_quant = (_pow2_identity(cfg.act_range) for _ in range(3))
+        self.softmax = IntSoftmax(cfg.tokens, pow2=True)
+        self.proj = pow2_linear(cfg.dim, cfg.dim, cfg.act_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.q_quant(q), self.k_quant(k), self.v_quant(v)
+        probs = self.softmax((q @ k.transpose(-2, -1)) * self.score_scale)
+        context = (probs @ v).transpose(1, 2).reshape(b, n, d)
+        return self.proj(context)
+
+
+class _IntMLP(nn.Module):
+    """fc1 -> IntGELU -> fc2, or LLaMA's gated fc2(IntSiLU(fc1(x)) * gate(fc3(x))).
+
+    The gate is quantized to int8 on a power-of-two grid so that its product with
+    the int8 SiLU output stays exact (127² units); fc2 quantizes its input itself.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        if cfg.mlp not in MLP_KINDS:
+            raise ValueError(f"unknown transformer mlp {cfg.mlp!r}; expected one of {', '.join(MLP_KINDS)}")
+        hidden = cfg.mlp_ratio * cfg.dim
+        self.fc1 = pow2_linear(cfg.dim, hidden, cfg.act_range)
+        self.act = IntGELU(pow2=True) if cfg.mlp == "gelu" else IntSiLU(pow2=True)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:
+            self.fc3 = pow2_linear(cfg.dim, hidden, cfg.act_range)
+            self.gate_quant = _pow2_identity(cfg.act_range)
+        self.fc2 = pow2_linear(hidden, cfg.dim, cfg.act_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(self.fc1(x))
+        if self.gated:
+            hidden = hidden * self.gate_quant(self.fc3(x))
+        return self.fc2(hidden)
+
+
+class _IntEncoderBlock(nn.Module):
+    """Pre-norm block of the integer transformer: norms with power-of-two input scales."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.norm1 = norm_factory(cfg.norm, cfg.dim, pow2=True)
+        self.attn = _IntSelfAttention(cfg)
+        self.norm2 = norm_factory(cfg.norm, cfg.dim, pow2=True)
+        self.mlp = _IntMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
 class DigitsTransformer(nn.Module):
     """Pre-norm transformer over 8 row tokens of 8 pixels.
 
     The residual stream stays unquantized; activations are int8 fake-quantized right
     before every QuantLinear (model input, each norm output, attention context, MLP
     hidden, pooled features), so each linear is an int8 x int8 product.
+
+    With ``config.integer`` it is integer-deployable end to end like the mixer:
+    pow2 linears, norms calibrating power-of-two scales, integer attention
+    (`_IntSelfAttention`) and MLP (`_IntMLP`: GELU, or LLaMA's gated SiLU with
+    ``mlp="swiglu"``), and a position embedding that is a pow2 linear of the one-hot
+    token index (a float parameter added to the stream would lie on no grid).
+    Without it, softmax and GELU are float: the float baseline, which `qnorm compile`
+    refuses.
     """
 
     kind = "transformer"
@@ -278,6 +378,11 @@ class DigitsTransformer(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
+        if config.integer:
+            self._init_integer(config)
+            return
+        if config.mlp != "gelu":
+            raise ValueError(f"the float transformer has a GELU MLP; mlp={config.mlp!r} needs integer=True")
         self.input_quant = _act_quant(config.act_range)
         self.embed = _linear(config.token_features, config.dim)
         self.pos = nn.Parameter(torch.zeros(1, config.tokens, config.dim))
@@ -287,11 +392,25 @@ class DigitsTransformer(nn.Module):
         self.head_quant = _act_quant(config.act_range)
         self.head = _linear(config.dim, config.classes)
 
+    def _init_integer(self, config: TransformerConfig) -> None:
+        self.embed = pow2_linear(config.token_features, config.dim, config.act_range)
+        # The one-hot token indices the position embedding reads: a constant of the graph.
+        self.register_buffer("positions", torch.eye(config.tokens))
+        self.pos = pow2_linear(config.tokens, config.dim, 1.0)
+        self.blocks = nn.ModuleList(_IntEncoderBlock(config) for _ in range(config.depth))
+        self.norm = norm_factory(config.norm, config.dim, pow2=True)
+        self.head = pow2_linear(config.dim, config.classes, config.act_range)
+
     def example_input(self, batch: int = 2) -> torch.Tensor:
         """Zeros shaped like a batch of its input (row tokens)."""
         return torch.zeros(batch, self.config.tokens, self.config.token_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.integer:
+            h = self.embed(x) + self.pos(self.positions)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h).mean(dim=1))
         h = self.embed(self.input_quant(x)) + self.pos
         for block in self.blocks:
             h = block(h)
@@ -394,7 +513,7 @@ class DigitsSNN(nn.Module):
         self.config = config
         pow2 = config.pow2
         self.input_quant = (
-            qnn.QuantIdentity(act_quant=_pow2_act(config.act_range), return_quant_tensor=False)
+            _pow2_identity(config.act_range)
             if pow2 else _act_quant(config.act_range)
         )  # fmt: skip
         weight_quant = Int8WeightPerTensorFixedPoint if pow2 else Int8WeightPerTensorFloat

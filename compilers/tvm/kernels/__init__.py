@@ -41,9 +41,15 @@ _BUILDERS: tuple[tuple[type, Any], ...] = (
 )
 
 
-def kernel_for(op: Any, schedule: Schedule = CPU) -> Kernel:
+def kernel_for(op: Any, schedule: Schedule = CPU, *, row: int | None = None) -> Kernel:
     """The kernel of ``op`` (any golden op of qnorm.ops), its loops laid out by
-    ``schedule`` (default: the vector CPU schedule)."""
+    ``schedule`` (default: the vector CPU schedule).
+
+    ``row``: the row length of an elementwise op's kernel (an activation has no row
+    of its own; see :mod:`.activation`); the other ops' rows are their channels.
+    """
+    if isinstance(op, IntActivation) and row is not None:
+        return activation_kernel(op, schedule, row)
     for cls, builder in _BUILDERS:
         if isinstance(op, cls):
             return builder(op, schedule)

@@ -7,9 +7,10 @@ dtypes, and every element runs :meth:`IntActivation.evaluate` itself, with
 on the CPU and GPU, a ROM read in the HLS C).  Nothing is mirrored.
 
 An activation is elementwise and has no row of its own; its kernel maps rows of
-``ELEMENT_ROW`` elements (the schedules need a static row length: one vector of
-int8 or int16 lanes on the CPU, a block of threads on the GPU), so a caller
-passes an array whose last axis is ``ELEMENT_ROW``.
+``row`` elements, a static length the caller chooses (the schedules need one: a
+vector of int8 or int16 lanes on the CPU, a block of threads on the GPU).  The
+default, ``ELEMENT_ROW``, is one CPU vector; a whole-model compile passes the last
+axis of the tensor the layer sees, so any shape maps without a reshape across rows.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from qnorm.ops.activation import IntActivation
 ELEMENT_ROW = 16
 
 
-def activation_kernel(op: IntActivation, schedule: Schedule = CPU) -> Kernel:
-    """``main(x, *tables, out)``: x (rows, ELEMENT_ROW) → activations (rows, ELEMENT_ROW)."""
+def activation_kernel(op: IntActivation, schedule: Schedule = CPU, row: int = ELEMENT_ROW) -> Kernel:
+    """``main(x, *tables, out)``: x (rows, row) → activations (rows, row)."""
+    if row < 1:
+        raise ValueError(f"an activation kernel needs a row of at least one element, got {row}")
     if type(op)._forward is not IntActivation._forward or type(op).evaluate is not IntActivation.evaluate:
         raise NotImplementedError(f"{type(op).__name__} overrides the activation body this kernel runs")
     consts = [ChannelConst(name, values) for name, values in op.tables.items()]
@@ -34,13 +37,13 @@ def activation_kernel(op: IntActivation, schedule: Schedule = CPU) -> Kernel:
     in_dtype, out_dtype = fmt_dtype(op.in_fmt), fmt_dtype(op.out_fmt)
 
     rows = te.var("rows", "int64")
-    x = te.placeholder((rows, ELEMENT_ROW), in_dtype, name="x")
+    x = te.placeholder((rows, row), in_dtype, name="x")
 
     def element(r: Any, c: Any) -> Any:
         y = op.evaluate(load64(x, r, c), lambda name, i: load64(bufs[name], i))
         return y.astype(out_dtype)
 
-    out = te.compute((rows, ELEMENT_ROW), element, name="out")
+    out = te.compute((rows, row), element, name="out")
     func = te.create_prim_func([x, *bufs.values(), out])
     return Kernel(
         op,
@@ -48,5 +51,5 @@ def activation_kernel(op: IntActivation, schedule: Schedule = CPU) -> Kernel:
         tuple(c.array() for c in consts),
         in_dtype,
         out_dtype,
-        (ELEMENT_ROW,),
+        (row,),
     )
