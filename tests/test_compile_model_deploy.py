@@ -110,6 +110,27 @@ def test_input_format_is_read_from_the_first_quantizer():
     assert prove_exact(program).outputs == [Grid(-5, 128)]
 
 
+class _AddBuffer(nn.Module):
+    """Adds a constant held in a buffer that is not part of the state dict."""
+
+    def __init__(self, value: torch.Tensor, persistent: bool) -> None:
+        super().__init__()
+        self.register_buffer("offset", value, persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_buffers_are_proven_persistent_or_not(persistent):
+    quant = qnn.QuantIdentity(act_quant=POW2_ACT, return_quant_tensor=False)
+    on_grid = nn.Sequential(quant, _AddBuffer(torch.full((4,), 0.25), persistent))
+    assert prove_exact(export(freeze(on_grid), torch.zeros(2, 4))).outputs == [Grid(-5, 136)]
+    off_grid = nn.Sequential(quant, _AddBuffer(torch.full((4,), 0.1), persistent))
+    with pytest.raises(NotDeployableError, match="not on the accumulator.s grid"):
+        proof(off_grid, torch.zeros(2, 4))
+
+
 def test_non_power_of_two_activation_scale_is_refused():
     act = Int8ActPerTensorFloatMinMaxInit.let(min_val=-3.0, max_val=3.0)  # scale 3/128
     model = nn.Sequential(qnn.QuantIdentity(act_quant=act, return_quant_tensor=False), pow2_linear(4, 2))

@@ -238,7 +238,8 @@ class _Walk:
         sig = ep.graph_signature
         self.consts = {
             **{k: ep.state_dict[v] for k, v in sig.inputs_to_parameters.items()},
-            **{k: ep.state_dict[v] for k, v in sig.inputs_to_buffers.items()},
+            # a non-persistent buffer is exported among the constants, not the state dict
+            **{k: ep.state_dict[v] if v in ep.state_dict else ep.constants[v] for k, v in sig.inputs_to_buffers.items()},
             **{k: ep.constants[v] for k, v in sig.inputs_to_lifted_tensor_constants.items()},
         }
 
