@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+import tvm_ffi  # noqa: E402
 
-from compilers.tvm.cpu import _VECTOR_BITS
+from compilers.tvm.cpu import _VECTOR_BITS, ROW_BLOCK
 from compilers.tvm.kernels import kernel_for
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.qformat import QFormat
@@ -36,10 +37,11 @@ def innermost(sch: tvm.s_tir.Schedule, block: str):
 
 
 def test_layernorm_sums_share_one_loop_l1_sums_do_not():
+    # the sums' updates: their zero initializations run over a block of rows first
     ln = scheduled(IntLayerNorm)
-    assert innermost(ln, "row_sum").same_as(innermost(ln, "row_sum_1"))
+    assert innermost(ln, "row_sum_update").same_as(innermost(ln, "row_sum_1_update"))
     l1 = scheduled(L1LayerNorm)  # Σ|N·x − S| reads S = Σx
-    assert not innermost(l1, "row_sum").same_as(innermost(l1, "row_sum_1"))
+    assert not innermost(l1, "row_sum_update").same_as(innermost(l1, "row_sum_1_update"))
 
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
@@ -62,3 +64,26 @@ def test_per_element_stages_work_one_register_at_a_time(cls):
         assert sch.get(loops[-2]).same_as(tile)
         assert int(sch.get(loops[-1]).extent) == lanes
         assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
+def test_per_row_chain_is_one_vector_of_a_block_of_rows(cls):
+    """The per-row stages (ε, split, inverse, multiplier, offset, shift) each run
+    as one ROW_BLOCK-lane vector without a row predicate; the row sums keep
+    theirs, one row at a time."""
+    sch = scheduled(cls)
+    chain = [sch.get_sblock(name) for name in ("stat", "exp", "mant", "inv", "mult", "zshift")]
+    for block in chain:
+        lanes = sch.get(sch.get_loops(block)[-1])
+        assert lanes.kind == tvm.tirx.ForKind.VECTORIZED and int(lanes.extent) == ROW_BLOCK
+    realize = {}
+
+    def visit(node, visitor):
+        if isinstance(node, tvm.s_tir.SBlockRealize):
+            realize[node.block.name_hint] = node.predicate
+        return visitor.default_visit(node)
+
+    tvm_ffi.structural_visit(sch.mod["main"].body, visit)
+    for name in ("stat", "exp", "mant", "inv", "mult", "zshift", "row_sum_init"):
+        assert isinstance(realize[name], tvm.tirx.IntImm) and realize[name].value == 1, name
+    assert not isinstance(realize["row_sum_update"], tvm.tirx.IntImm)
