@@ -23,12 +23,13 @@ from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.qformat import QFormat
 
 N = 768
+SHORT = 64  # rows short enough to run in blocks of ROW_BLOCK
 
 
-def scheduled(cls: type) -> tvm.s_tir.Schedule:
+def scheduled(cls: type, n: int = N) -> tvm.s_tir.Schedule:
     rng = np.random.default_rng(0)
-    gamma = rng.normal(1.0, 0.1, N).astype(np.float32)
-    beta = None if cls is IntRMSNorm else rng.normal(0.0, 0.1, N).astype(np.float32)
+    gamma = rng.normal(1.0, 0.1, n).astype(np.float32)
+    beta = None if cls is IntRMSNorm else rng.normal(0.0, 0.1, n).astype(np.float32)
     return tvm.s_tir.Schedule(kernel_for(cls.from_float(gamma, beta, 1e-5, QFormat(8, 0.05))).mod)
 
 
@@ -36,12 +37,13 @@ def innermost(sch: tvm.s_tir.Schedule, block: str):
     return sch.get(sch.get_loops(sch.get_sblock(block))[-1])
 
 
-def test_layernorm_sums_share_one_loop_l1_sums_do_not():
-    # the sums' updates: their zero initializations run over a block of rows first
-    ln = scheduled(IntLayerNorm)
-    assert innermost(ln, "row_sum_update").same_as(innermost(ln, "row_sum_1_update"))
-    l1 = scheduled(L1LayerNorm)  # Σ|N·x − S| reads S = Σx
-    assert not innermost(l1, "row_sum_update").same_as(innermost(l1, "row_sum_1_update"))
+@pytest.mark.parametrize("n, suffix", [(N, ""), (SHORT, "_update")])
+def test_layernorm_sums_share_one_loop_l1_sums_do_not(n, suffix):
+    # in a block of rows, the sums' updates (their zero initializations run first)
+    ln = scheduled(IntLayerNorm, n)
+    assert innermost(ln, "row_sum" + suffix).same_as(innermost(ln, "row_sum_1" + suffix))
+    l1 = scheduled(L1LayerNorm, n)  # Σ|N·x − S| reads S = Σx
+    assert not innermost(l1, "row_sum" + suffix).same_as(innermost(l1, "row_sum_1" + suffix))
 
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
@@ -67,23 +69,29 @@ def test_per_element_stages_work_one_register_at_a_time(cls):
 
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
-def test_per_row_chain_is_one_vector_of_a_block_of_rows(cls):
+def test_per_row_chain_is_one_vector_of_a_block_of_short_rows(cls):
     """The per-row stages (ε, split, inverse, multiplier, offset, shift) each run
     as one ROW_BLOCK-lane vector without a row predicate; the row sums keep
     theirs, one row at a time."""
-    sch = scheduled(cls)
-    chain = [sch.get_sblock(name) for name in ("stat", "exp", "mant", "inv", "mult", "zshift")]
-    for block in chain:
-        lanes = sch.get(sch.get_loops(block)[-1])
+    sch = scheduled(cls, SHORT)
+    chain = ("stat", "exp", "mant", "inv", "mult", "zshift")
+    for name in chain:
+        lanes = sch.get(sch.get_loops(sch.get_sblock(name))[-1])
         assert lanes.kind == tvm.tirx.ForKind.VECTORIZED and int(lanes.extent) == ROW_BLOCK
-    realize = {}
+    predicates = {}
 
     def visit(node, visitor):
         if isinstance(node, tvm.s_tir.SBlockRealize):
-            realize[node.block.name_hint] = node.predicate
+            predicates[node.block.name_hint] = node.predicate
         return visitor.default_visit(node)
 
     tvm_ffi.structural_visit(sch.mod["main"].body, visit)
-    for name in ("stat", "exp", "mant", "inv", "mult", "zshift", "row_sum_init"):
-        assert isinstance(realize[name], tvm.tirx.IntImm) and realize[name].value == 1, name
-    assert not isinstance(realize["row_sum_update"], tvm.tirx.IntImm)
+    for name in (*chain, "row_sum_init"):
+        assert isinstance(predicates[name], tvm.tirx.IntImm) and predicates[name].value == 1, name
+    assert not isinstance(predicates["row_sum_update"], tvm.tirx.IntImm)
+
+
+def test_rows_whose_block_leaves_l1_run_one_at_a_time():
+    """16 int8 rows of 768 in and out plus four int32 constants of 768: 36 KiB."""
+    sch = scheduled(IntLayerNorm)
+    assert len(sch.get_loops(sch.get_sblock("stat"))) == 1  # the row loop alone
