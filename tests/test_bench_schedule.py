@@ -15,19 +15,21 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
+import tvm_ffi  # noqa: E402
 
-from compilers.tvm.cpu import _VECTOR_BITS
+from compilers.tvm.cpu import _VECTOR_BITS, ROW_BLOCK
 from compilers.tvm.kernels import kernel_for
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.qformat import QFormat
 
 N = 768
+SHORT = 64  # rows short enough to run in blocks of ROW_BLOCK
 
 
-def scheduled(cls: type) -> tvm.s_tir.Schedule:
+def scheduled(cls: type, n: int = N) -> tvm.s_tir.Schedule:
     rng = np.random.default_rng(0)
-    gamma = rng.normal(1.0, 0.1, N).astype(np.float32)
-    beta = None if cls is IntRMSNorm else rng.normal(0.0, 0.1, N).astype(np.float32)
+    gamma = rng.normal(1.0, 0.1, n).astype(np.float32)
+    beta = None if cls is IntRMSNorm else rng.normal(0.0, 0.1, n).astype(np.float32)
     return tvm.s_tir.Schedule(kernel_for(cls.from_float(gamma, beta, 1e-5, QFormat(8, 0.05))).mod)
 
 
@@ -35,11 +37,13 @@ def innermost(sch: tvm.s_tir.Schedule, block: str):
     return sch.get(sch.get_loops(sch.get_sblock(block))[-1])
 
 
-def test_layernorm_sums_share_one_loop_l1_sums_do_not():
-    ln = scheduled(IntLayerNorm)
-    assert innermost(ln, "row_sum").same_as(innermost(ln, "row_sum_1"))
-    l1 = scheduled(L1LayerNorm)  # Σ|N·x − S| reads S = Σx
-    assert not innermost(l1, "row_sum").same_as(innermost(l1, "row_sum_1"))
+@pytest.mark.parametrize("n, suffix", [(N, ""), (SHORT, "_update")])
+def test_layernorm_sums_share_one_loop_l1_sums_do_not(n, suffix):
+    # in a block of rows, the sums' updates (their zero initializations run first)
+    ln = scheduled(IntLayerNorm, n)
+    assert innermost(ln, "row_sum" + suffix).same_as(innermost(ln, "row_sum_1" + suffix))
+    l1 = scheduled(L1LayerNorm, n)  # Σ|N·x − S| reads S = Σx
+    assert not innermost(l1, "row_sum" + suffix).same_as(innermost(l1, "row_sum_1" + suffix))
 
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
@@ -62,3 +66,32 @@ def test_per_element_stages_work_one_register_at_a_time(cls):
         assert sch.get(loops[-2]).same_as(tile)
         assert int(sch.get(loops[-1]).extent) == lanes
         assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, IntRMSNorm])
+def test_per_row_chain_is_one_vector_of_a_block_of_short_rows(cls):
+    """The per-row stages (ε, split, inverse, multiplier, offset, shift) each run
+    as one ROW_BLOCK-lane vector without a row predicate; the row sums keep
+    theirs, one row at a time."""
+    sch = scheduled(cls, SHORT)
+    chain = ("stat", "exp", "mant", "inv", "mult", "zshift")
+    for name in chain:
+        lanes = sch.get(sch.get_loops(sch.get_sblock(name))[-1])
+        assert lanes.kind == tvm.tirx.ForKind.VECTORIZED and int(lanes.extent) == ROW_BLOCK
+    predicates = {}
+
+    def visit(node, visitor):
+        if isinstance(node, tvm.s_tir.SBlockRealize):
+            predicates[node.block.name_hint] = node.predicate
+        return visitor.default_visit(node)
+
+    tvm_ffi.structural_visit(sch.mod["main"].body, visit)
+    for name in (*chain, "row_sum_init"):
+        assert isinstance(predicates[name], tvm.tirx.IntImm) and predicates[name].value == 1, name
+    assert not isinstance(predicates["row_sum_update"], tvm.tirx.IntImm)
+
+
+def test_rows_whose_block_leaves_l1_run_one_at_a_time():
+    """16 int8 rows of 768 in and out plus four int32 constants of 768: 36 KiB."""
+    sch = scheduled(IntLayerNorm)
+    assert len(sch.get_loops(sch.get_sblock("stat"))) == 1  # the row loop alone

@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compilers.tvm.build import non_integer_dtypes
+from compilers.tvm.cpu import ROW_BLOCK
 from compilers.tvm.kernels import kernel_for
 from compilers.tvm.kernels._base import fmt_dtype
 from compilers.tvm.kernels._rows import Rows
@@ -199,6 +200,18 @@ def test_norm_kernels_on_generated_rows(cls, rows, center, spread):
     narrow = np.clip(center + (x % (spread + 1)), -128, 127)
     for v in (x, narrow):
         assert_bit_exact(compiled(v), op.forward(v), v)
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm])
+def test_norm_kernels_on_every_row_count_around_a_row_block(cls):
+    """The per-row chain runs on blocks of ROW_BLOCK rows; the last block's lanes
+    past the last row compute a zero row's chain and must not reach the output."""
+    op, compiled = compiled_norm(cls)
+    rng = np.random.default_rng(SEED)
+    for count in (1, ROW_BLOCK - 1, ROW_BLOCK, ROW_BLOCK + 1, 2 * ROW_BLOCK + 3):
+        x = rng.integers(-128, 128, (count, 64))
+        x[::3] = rng.integers(-128, 128, (len(x[::3]), 1))  # constant rows among them
+        assert_bit_exact(compiled(x), op.forward(x), x)
 
 
 def test_statistic_reductions_stay_narrow():

@@ -23,7 +23,7 @@ import compilers.tvm.build as build_mod
 from compilers.cache import CACHE_ENV, sha256_file
 from compilers.tvm.build import build, cache_dir, dtypes_used, non_integer_dtypes
 from compilers.tvm.cpu import schedule_rowwise
-from compilers.tvm.primitives import elementwise_func, staged_compute
+from compilers.tvm.primitives import elementwise_func, staged_compute, staged_compute_many
 from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import Round
 from qnorm.targets import load_target
@@ -317,6 +317,31 @@ def test_rowwise_schedule_with_reduction_and_row_scalars(host):
         Round.HALF_EVEN,
     )
     assert_bit_exact(run(build(mod, host), xv), want, xv)
+
+
+def test_results_of_one_call_share_their_stages(host):
+    """A bit length and the value it normalizes, from one DAG: its search is
+    staged once (the bit length, used by the other result, under its own name),
+    where one staged_compute per result stages it twice; the integers agree."""
+    nrows = te.var("rows", "int64")
+    x = te.placeholder((nrows, COLS), "int64", name="x")
+
+    def split(r, c):
+        n = fp.bit_length(x[r, c], 40)
+        return n, x[r, c] >> n
+
+    def stages(parts: list[te.Tensor]) -> tuple[int, te.Tensor]:
+        y = te.compute((nrows, COLS), lambda r, c: parts[0][r, c] * 64 + parts[1][r, c], name="y")
+        return len(te.create_prim_func([x, y]).body.block.alloc_buffers), y
+
+    shared, y = stages(staged_compute_many((nrows, COLS), split, ("n", "rest")))
+    apart, _ = stages([staged_compute((nrows, COLS), lambda r, c, i=i: split(r, c)[i], f"p{i}") for i in (0, 1)])
+    assert shared < apart
+
+    xv = np.random.default_rng(RNG_SEED).integers(0, 1 << 40, size=(5, COLS))
+    n = fp.bit_length(xv, 40)
+    mod = schedule_rowwise(te.create_prim_func([x, y]), "y")
+    assert_bit_exact(run(build(mod, host), xv), n * 64 + (xv >> n), xv)
 
 
 def test_schedule_rowwise_rejects_1d_output():

@@ -49,6 +49,42 @@ def staged_compute(shape: Sequence[Any], fcompute: Callable[..., Any], name: str
     return te.compute(shape, rebuilder(root, axes, stages), name=name)
 
 
+def staged_compute_many(
+    shape: Sequence[Any], fcompute: Callable[..., Sequence[Any]], names: Sequence[str]
+) -> list[te.Tensor]:
+    """One tensor per expression ``fcompute`` returns, sharing their common stages.
+
+    Like :func:`staged_compute` for each expression, except that a node reached
+    from more than one of them is staged once (``{names[0]}_s{j}``) instead of
+    once per tensor: two results of one fixedpoint call (a split's exponent and
+    mantissa, an affine's multiplier and offset) share most of their DAG.
+    """
+    axes = [tirx.IterVar((0, dim), f"{names[0]}_i{k}", 0).var for k, dim in enumerate(shape)]
+    roots = [tvm.runtime.convert(e) for e in fcompute(*axes)]
+    if len(roots) != len(names):
+        raise ValueError(f"{len(roots)} expressions for {len(names)} names")
+    named = {r.__chandle__(): n for r, n in zip(roots, names) if isinstance(r, tvm.ir.Expr)}
+    stages: dict[int, te.Tensor] = {}
+    forest = tvm.runtime.convert([r for r in roots if isinstance(r, tvm.ir.Expr)])
+    for j, node in enumerate(shared_nodes_in_post_order(forest)):
+        key = node.__chandle__()  # a result another result uses is staged under its name
+        stages[key] = te.compute(shape, rebuilder(node, axes, stages), name=named.get(key, f"{names[0]}_s{j}"))
+    out = []
+    for root, name in zip(roots, names):
+        if not isinstance(root, tvm.ir.Expr):
+            out.append(te.compute(shape, _constant(root), name=name))
+        elif root.__chandle__() in stages:
+            out.append(stages[root.__chandle__()])
+        else:
+            out.append(te.compute(shape, rebuilder(root, axes, stages), name=name))
+    return out
+
+
+def _constant(value: Any) -> Callable[..., Any]:
+    """fcompute of a stage whose every element is ``value``."""
+    return lambda *idx: value
+
+
 def elementwise_func(
     fn: Callable[..., Any], arity: int, cols: int, name: str = "out", dtype: str = "int64"
 ) -> tirx.PrimFunc:

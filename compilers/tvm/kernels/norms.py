@@ -41,7 +41,7 @@ from tvm import te
 from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, load64, load_as
 from compilers.tvm.kernels._rows import ProvenTrace, Rows
 from compilers.tvm.kernels._stage import row_staged_compute
-from compilers.tvm.primitives import staged_compute
+from compilers.tvm.primitives import staged_compute, staged_compute_many
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.analysis import Interval
 from qnorm.fixedpoint import Round, clamp, rshift_round, saturate
@@ -105,11 +105,11 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     total = None if s1 is None else te.compute((rows,), lambda r: s1.at(r, 0), name="total")
 
     # 2. per row: W = M 2^(p e), then the inverse of M
-    def split(r: Any) -> tuple[Any, Any]:
-        return split_exponent(load64(stat, r), cfg, op._stat_bits, trace)
-
-    exp = staged_compute((rows,), lambda r: split(r)[0], "exp")
-    mant = staged_compute((rows,), lambda r: split(r)[1], "mant")
+    # exponent and mantissa share one DAG (one bit_length): staged together
+    exp, mant = staged_compute_many(
+        (rows,), lambda r: split_exponent(load64(stat, r), cfg, op._stat_bits, None), ("exp", "mant")
+    )
+    split_exponent(load64(stat, 0), cfg, op._stat_bits, trace)  # its trace names, in order
     op._inverse(load64(mant, 0), trace)  # its trace name, in order
     inv = staged_compute((rows,), lambda r: op._inverse(load64(mant, r), None), "inv")
 
@@ -121,9 +121,10 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         return a, (c - ((1 << k) >> 1) if half_up else c), k
 
     affine(0, trace)  # the trace names mult, offset, z_shift in order
-    mult = staged_compute((rows,), lambda r: affine(r)[0], "mult")
-    offset = staged_compute((rows,), lambda r: affine(r)[1], "offset") if total is not None or half_up else None
-    zshift = staged_compute((rows,), lambda r: affine(r)[2], "zshift")
+    # one DAG: the three share the row's shift and the rounded inverse
+    mult, offset, zshift = staged_compute_many((rows,), affine, ("mult", "offset", "zshift"))
+    if total is None and not half_up:
+        offset = None  # c = 0: x·a alone
 
     def element(r: Any, c: Any) -> Any:
         # x·a − c modulo 2^lanes (see the module docstring), then the op's own shift
