@@ -1,0 +1,390 @@
+"""HDL values the op's own integer code runs on: how the RTL units are the definition.
+
+The golden ops are written with operators, :mod:`qnorm.fixedpoint` and the
+:mod:`qnorm.ops._xp` helpers, so numpy, torch and TIR run one body.  :class:`Hdl`
+is a fourth operand kind those bodies accept.  An ``Hdl`` is *lazy*: a function
+from a stage's :class:`Ctx` (which element, channel and row bank the stage is
+at) to an Amaranth value, so one expression graph is elaborated in every
+pipeline stage that needs it — the norm's ``x`` is the input port in the first
+pass and a row-buffer read in the output pass.
+
+Semantics are those of Python integers: every leaf and constant is signed and
+Amaranth widens every result, so nothing wraps; ``>>`` is arithmetic, ``//`` and
+``%`` floor, comparisons 1-bit.  Shift amounts are at most 62 (the contract of
+every fixedpoint shift, proven by the range analysis), so their low 6 bits are
+the amount.  :func:`qnorm.fixedpoint.select`, ``land``, ``lor``, ``clamp`` and the
+``1`` of a rounding shift come from :data:`HdlOps` (Mux and Amaranth's logic),
+and :func:`qnorm.ops._xp.const_like` from :meth:`Hdl.const_like`: a ROM of the
+per-channel constants at their exact width, read at the element's channel.
+
+Widths are the proof's: :class:`ProvenTrace` receives every intermediate the op
+records and gives it the interval of the op's range report, so the named wire
+(``stat``, ``rsqrt``, ``mult``, ``xa``, ``acc`` …) is exactly as wide as
+``op.ranges()`` says; truncating to it is exact because the report bounds it.
+
+Rates.  A value is per element or per row.  ``x.sum(...)`` (``_xp.row_sum``)
+turns a per-element value into a per-row one: an accumulator in the pass that
+evaluates the term, read by later stages from the row's bank.  A per-element
+value that uses a per-row value of pass ``p`` belongs to pass ``p + 1`` (L1's
+``N·x − Σx`` needs Σx, so its ``Σ|·|`` is a second pass over the row buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
+
+from qnorm.analysis import Interval
+from qnorm.fixedpoint import bits_for
+
+SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
+
+
+def signed_value(v: Value) -> Value:
+    """``v`` as a signed value of the same integer (a 1-bit compare becomes 0 / 1)."""
+    return v if v.shape().signed else Cat(v, Const(0, 1)).as_signed()
+
+
+def const(k: int) -> Value:
+    """A Python int as a signed constant of its own width."""
+    return Const(int(k), signed(bits_for(int(k), int(k))))
+
+
+def sized(v: Value, iv: Interval, name: str, m: Module) -> Value:
+    """A wire named ``name`` of exactly the width ``iv`` needs, driven by ``v``
+    (exact: the caller proved v lies in iv)."""
+    wire = Signal(signed(bits_for(iv.lo, iv.hi)), name=name)
+    m.d.comb += wire.eq(v)
+    return wire
+
+
+@dataclass(eq=False)
+class Ctx:
+    """Where a stage evaluates expressions: its module, the element ``x`` it is at,
+    that element's ``channel`` (index in the row or channel vector), its row
+    ``bank``, and the per-row values it reads (``rows[slot]``: one register per bank)."""
+
+    m: Module
+    x: Value
+    channel: Value
+    bank: Value | None = None
+    rows: dict[int, list[Signal]] = field(default_factory=dict)
+    extra: dict[str, Value] = field(default_factory=dict)
+    memo: dict[int, Value] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class RowSum:
+    """An accumulator: ``term`` summed over the row in pass ``term.pass_``."""
+
+    slot: int
+    term: Hdl
+    result: Hdl | None = None
+
+    def width(self, term_bits: int) -> int:
+        """The accumulator's width: the proven one where the op recorded the sum, else
+        enough for N terms of ``term_bits``."""
+        iv = None if self.result is None else self.result.iv
+        if iv is not None:
+            return bits_for(iv.lo, iv.hi)
+        n = 1 if self.result is None else self.result.graph.n
+        return term_bits + max(n - 1, 1).bit_length()
+
+
+class Graph:
+    """What one op's code built: the row sums (slots) and the per-row values latched
+    into banks, plus the leaf of the element stream.  ``n``: the row length (1 for
+    elementwise units); ``shape``: the trailing shape an element stands for."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = ()) -> None:
+        self.n = n
+        self.shape = shape
+        self.sums: list[RowSum] = []
+        self.latched: dict[int, Hdl] = {}
+        self._slots = 0
+
+    def new_slot(self) -> int:
+        self._slots += 1
+        return self._slots - 1
+
+    def leaf(self, name: str = "x") -> Hdl:
+        """The stage's current element (``ctx.x``), or a named side value (``ctx.extra``)."""
+        if name == "x":
+            return Hdl(self, lambda ctx: ctx.x, 0, False)
+        return Hdl(self, lambda ctx: ctx.extra[name], 0, False)
+
+    def latch(self, v: Hdl) -> Hdl:
+        """A per-row value computed once (the row stage) and read back from the row's bank."""
+        slot = self.new_slot()
+        self.latched[slot] = v
+        return Hdl(self, lambda ctx: ctx.rows[slot][0] if ctx.bank is None else Array(ctx.rows[slot])[ctx.bank],
+                   v.pass_, True, v.iv)
+
+    def passes(self) -> int:
+        """How many passes over the row the statistic takes (at least one: the input)."""
+        return 1 + max((s.term.pass_ for s in self.sums), default=0)
+
+
+class Hdl:
+    """A lazy integer expression (see the module docstring)."""
+
+    def __init__(self, graph: Graph, build: Callable[[Ctx], Value], pass_: int, per_row: bool,
+                 iv: Interval | None = None, name: str | None = None) -> None:
+        self.graph, self._build, self.pass_, self.per_row, self.iv, self.name = graph, build, pass_, per_row, iv, name
+        self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
+
+    # ---- evaluation
+
+    def value(self, ctx: Ctx) -> Value:
+        """The Amaranth value in ``ctx`` (built once per context)."""
+        key = id(self)
+        if key not in ctx.memo:
+            v = self._build(ctx)
+            if self.iv is not None:
+                v = sized(v, self.iv, self.name or "v", ctx.m)
+            elif self.uses > 1:
+                # a wire, so the expression is not copied into every reader (the
+                # digit loops reuse each step's value twice: a tree would double per step)
+                wire = Signal(v.shape(), name=self.name or "t")
+                ctx.m.d.comb += wire.eq(v)
+                v = wire
+            ctx.memo[key] = v
+        return ctx.memo[key]
+
+    def narrow(self, iv: Interval, name: str) -> None:
+        """The op's proof bounds this value by ``iv``: its wire takes exactly that width."""
+        self.iv = iv if self.iv is None else Interval(max(iv.lo, self.iv.lo), min(iv.hi, self.iv.hi))
+        self.name = name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The trailing shape one element stands for (the ops' shape checks read it)."""
+        return self.graph.shape
+
+    # ---- lifting
+
+    def _lift(self, o: Any) -> Hdl:
+        if isinstance(o, Hdl):
+            o.uses += 1
+            return o
+        if isinstance(o, (bool, np.bool_)):
+            return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), 0, True)
+        if isinstance(o, (int, np.integer)):
+            return Hdl(self.graph, lambda ctx, k=int(o): const(k), 0, True)
+        if isinstance(o, np.ndarray) and o.ndim == 0:
+            return self._lift(int(o))
+        raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
+
+    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True) -> Hdl:
+        self.uses += 1
+        a, b = self, self._lift(o)
+        rate = a.per_row and b.per_row
+        pass_ = max(a.pass_, b.pass_)
+
+        def build(ctx: Ctx) -> Value:
+            va, vb = a.value(ctx), b.value(ctx)
+            return f(signed_value(va), signed_value(vb)) if arith else f(va, vb)
+
+        return Hdl(self.graph, build, pass_, rate)
+
+    def _unary(self, f: Callable[[Value], Value]) -> Hdl:
+        self.uses += 1
+        a = self
+        return Hdl(self.graph, lambda ctx: f(signed_value(a.value(ctx))), a.pass_, a.per_row)
+
+    # ---- arithmetic (Python-integer semantics)
+
+    def __add__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a + b)
+
+    def __radd__(self, o: Any) -> Hdl:
+        return self._lift(o) + self
+
+    def __sub__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> Hdl:
+        return self._lift(o) - self
+
+    def __mul__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a * b)
+
+    def __rmul__(self, o: Any) -> Hdl:
+        return self._lift(o) * self
+
+    def __floordiv__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a // b)
+
+    def __rfloordiv__(self, o: Any) -> Hdl:
+        return self._lift(o) // self
+
+    def __mod__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a % b)
+
+    def __rmod__(self, o: Any) -> Hdl:
+        return self._lift(o) % self
+
+    def __neg__(self) -> Hdl:
+        return self._unary(lambda a: -a)
+
+    def __abs__(self) -> Hdl:
+        return self._unary(lambda a: Mux(a < 0, -a, a))
+
+    def __and__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a & b)
+
+    __rand__ = __and__
+
+    def __or__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a | b)
+
+    __ror__ = __or__
+
+    def __xor__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a ^ b)
+
+    __rxor__ = __xor__
+
+    def __lshift__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS])
+
+    def __rlshift__(self, o: Any) -> Hdl:
+        return self._lift(o) << self
+
+    def __rshift__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS])
+
+    def __rrshift__(self, o: Any) -> Hdl:
+        return self._lift(o) >> self
+
+    # ---- comparisons (1-bit results)
+
+    def __lt__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a < b)
+
+    def __le__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a <= b)
+
+    def __gt__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a > b)
+
+    def __ge__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a >= b)
+
+    def __eq__(self, o: Any) -> Hdl:  # type: ignore[override]
+        return self._combine(o, lambda a, b: a == b)
+
+    def __ne__(self, o: Any) -> Hdl:  # type: ignore[override]
+        return self._combine(o, lambda a, b: a != b)
+
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise TypeError("an HDL value has no truth value while the hardware is built; use fixedpoint.select")
+
+    # ---- the numpy-style helpers of qnorm.ops._xp
+
+    def sum(self, axis: int = -1, keepdims: bool = True, dtype: Any = None) -> Hdl:
+        """``row_sum``: an accumulator over the row, in the pass that evaluates this term."""
+        if self.per_row:
+            raise TypeError("a per-row value has no row to sum over")
+        graph = self.graph
+        self.uses += 1
+        acc = RowSum(graph.new_slot(), self)
+        graph.sums.append(acc)
+        acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], self.pass_ + 1, True)
+        return acc.result
+
+    def __getitem__(self, key: Any) -> Hdl:
+        """``x[..., :k]`` (``take_prefix``): the element where its channel is below k,
+        else 0 — exact for the row sums the ops take over a prefix."""
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)
+                and key[1].start is None and key[1].step is None and isinstance(key[1].stop, int)):
+            raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
+        k, a = key[1].stop, self
+        self.uses += 1
+        return Hdl(self.graph, lambda ctx: Mux(ctx.channel < k, signed_value(a.value(ctx)), 0), a.pass_, False)
+
+    def const_like(self, values: np.ndarray) -> Hdl:
+        """Per-channel constants as a ROM of their exact width, read at the element's channel."""
+        return Table(self.graph, np.asarray(values, dtype=np.int64))
+
+
+class Table(Hdl):
+    """Per-channel integer constants (shape ``(C,)`` or ``(*P, L)`` with ``[..., j]``)."""
+
+    def __init__(self, graph: Graph, values: np.ndarray) -> None:
+        self.values = values
+        super().__init__(graph, self._read, 0, False)
+
+    def _read(self, ctx: Ctx) -> Value:
+        if self.values.ndim > 1 and self.values.shape != self.graph.shape:
+            raise TypeError(f"a table of shape {self.values.shape} is read per level: index it [..., j]")
+        vals = self.values.reshape(-1).tolist()
+        lo, hi = min(vals), max(vals)
+        if lo == hi:
+            return const(lo)
+        shape = signed(bits_for(lo, hi))
+        rom = Array(Const(v, shape) for v in vals)
+        return rom[ctx.channel]
+
+    def __getitem__(self, key: Any) -> Hdl:
+        if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
+            return Table(self.graph, self.values[..., int(key[1])])
+        raise TypeError(f"a constant table is indexed [..., j], not {key!r}")
+
+
+class _HdlOps:
+    """The primitives :mod:`qnorm.fixedpoint` takes from an operand kind of its own."""
+
+    @staticmethod
+    def _graph(*vals: Any) -> Hdl:
+        return next(v for v in vals if isinstance(v, Hdl))
+
+    def select(self, cond: Any, a: Any, b: Any) -> Hdl:
+        h = self._graph(cond, a, b)
+        c, x, y = h._lift(cond), h._lift(a), h._lift(b)
+        pass_ = max(c.pass_, x.pass_, y.pass_)
+        rate = c.per_row and x.per_row and y.per_row
+        return Hdl(h.graph, lambda ctx: Mux(c.value(ctx), signed_value(x.value(ctx)), signed_value(y.value(ctx))),
+                   pass_, rate)
+
+    def land(self, a: Any, b: Any) -> Hdl:
+        h = self._graph(a, b)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False)
+
+    def lor(self, a: Any, b: Any) -> Hdl:
+        h = self._graph(a, b)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False)
+
+    def clamp(self, v: Any, lo: Any, hi: Any) -> Hdl:
+        h = self._graph(v, lo, hi)
+        x = h._lift(v)
+        up = self.select(x < lo, lo, x)
+        return self.select(up > hi, hi, up)
+
+    def one_like(self, s: Any) -> Hdl:
+        return s._lift(1)
+
+
+Hdl.fixedpoint_ops = _HdlOps()
+
+
+class ProvenTrace(dict):
+    """A trace for the op's ``record`` calls: each recorded HDL value takes the op's
+    proven interval for its name (its wire is exactly that wide), and the names
+    arrive in order, so a caller can check it saw every stage of the op."""
+
+    def __init__(self, proven: dict[str, Interval]) -> None:
+        super().__init__()
+        self.proven = proven
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        item = value.item() if isinstance(value, np.ndarray) and value.dtype == object and value.ndim == 0 else value
+        if isinstance(item, Hdl) and name in self.proven:
+            item.narrow(self.proven[name], name)
+        super().__setitem__(name, item)
