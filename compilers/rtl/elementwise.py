@@ -39,10 +39,10 @@ class ElementwiseUnit(Elaboratable):
         self.channels = int(np.prod(op.bn.shape))
         graph = Graph(1, tuple(op.bn.shape))
         self.y = op._forward(graph.leaf(), ProvenTrace(dict(op.ranges().items)))
-        self.in_valid, self.in_ready = Signal(), Signal()
-        self.in_data = Signal(fmt_shape(op.in_fmt))
-        self.out_valid, self.out_ready = Signal(), Signal()
-        self.out_data = Signal(fmt_shape(op.out_fmt))
+        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
+        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
+        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
+        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
 
     @property
     def ports(self) -> list[Signal]:

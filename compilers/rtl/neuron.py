@@ -48,10 +48,11 @@ class NeuronUnit(Elaboratable):
         fire = op.fires(pre)
         self.post: Hdl = op.reset(pre, fire)
         self.spike: Hdl = fp.select(fire, 1, 0)
-        self.in_valid, self.in_ready, self.in_first = Signal(), Signal(), Signal()
-        self.in_data = Signal(fmt_shape(op.in_fmt))
-        self.out_valid, self.out_ready = Signal(), Signal()
-        self.out_data = Signal(fmt_shape(op.out_fmt))
+        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
+        self.in_first = Signal(name="in_first")
+        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
+        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
+        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
 
     @property
     def ports(self) -> list[Signal]:

@@ -275,10 +275,10 @@ class Hdl:
     def __ge__(self, o: Any) -> Hdl:
         return self._combine(o, lambda a, b: a >= b)
 
-    def __eq__(self, o: Any) -> Hdl:  # type: ignore[override]
+    def __eq__(self, o: object) -> Hdl:  # type: ignore[override]
         return self._combine(o, lambda a, b: a == b)
 
-    def __ne__(self, o: Any) -> Hdl:  # type: ignore[override]
+    def __ne__(self, o: object) -> Hdl:  # type: ignore[override]
         return self._combine(o, lambda a, b: a != b)
 
     __hash__ = object.__hash__
