@@ -51,7 +51,7 @@ def test_unit_is_bit_exact_on_random_and_edge_inputs(name: str) -> None:
 NORMS = [IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(
     family=st.sampled_from(NORMS),
     n=st.integers(1, 9),
@@ -79,7 +79,9 @@ def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
     assert np.array_equal(res.out.reshape(x.shape), op.forward(x))
     assert np.array_equal(np.diff(res.in_cycles), np.ones(n * rows - 1))
     assert np.array_equal(np.diff(res.out_cycles), np.ones(n * rows - 1))
-    assert res.out_cycles[0] - res.in_cycles[0] == unit.latency == unit.elaboratable.passes * n + 2
+    norm = unit.elaboratable
+    assert res.out_cycles[0] - res.in_cycles[0] == unit.latency
+    assert unit.latency == norm.passes * n + norm.row_depth + norm.element_depth + 2
     assert unit.cycles_per_row == n and unit.elements_per_cycle == 1.0
 
 

