@@ -41,17 +41,16 @@ def run_unit(op, x: np.ndarray, **kw) -> np.ndarray:
 def test_unit_is_bit_exact_on_random_and_edge_inputs(name: str) -> None:
     case = case_named(name)
     op = case.build()
-    x = random_inputs(case, np.random.default_rng(7), 4)
+    x = random_inputs(case, np.random.default_rng(7), 2 if case.layout == "rows" else 4)
+    if case.layout == "rows":  # and the edge rows: extremes, constant rows (the ε path)
+        x = np.concatenate([x, edge_vectors(case, complete=False)[:3]])
     assert np.array_equal(run_unit(op, x), op.forward(x))
-    if case.layout == "rows":
-        edge = edge_vectors(case, complete=False)[:6]
-        assert np.array_equal(run_unit(op, edge), op.forward(edge))
 
 
 NORMS = [IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm]
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     family=st.sampled_from(NORMS),
     n=st.integers(1, 9),
@@ -62,12 +61,12 @@ def test_norm_units_match_the_golden_op_over_shapes_and_widths(family, n: int, b
     rng = np.random.default_rng(seed)
     gamma = rng.normal(1.0, 0.5, n)
     op = family.from_float(gamma, rng.normal(0.0, 0.5, n), eps=1e-3, in_fmt=QFormat(bits, 0.1))
-    x = rng.integers(op.in_fmt.lo, op.in_fmt.hi + 1, (3, n))
+    x = rng.integers(op.in_fmt.lo, op.in_fmt.hi + 1, (2, n))
     x[0] = op.in_fmt.lo  # a constant row: the ε path
     assert np.array_equal(run_unit(op, x), op.forward(x))
 
 
-@pytest.mark.parametrize("family", [IntLayerNorm, L1LayerNorm])
+@pytest.mark.parametrize("family", [IntLayerNorm, pytest.param(L1LayerNorm, marks=pytest.mark.slow)])
 def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
     """Row k+1 streams in while row k streams out: inputs accepted and outputs
     produced on consecutive clocks, after the documented latency."""
@@ -88,7 +87,7 @@ def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
 def test_norm_unit_holds_its_output_under_back_pressure() -> None:
     case = case_named("int_layernorm.int8.n7.half_even")
     op = case.build()
-    x = random_inputs(case, np.random.default_rng(11), 5)
+    x = random_inputs(case, np.random.default_rng(11), 3)
     assert np.array_equal(run_unit(op, x, out_stall_every=3), op.forward(x))
 
 

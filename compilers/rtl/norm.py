@@ -44,14 +44,22 @@ consecutive groups of N elements, element 0 first.
 
 from __future__ import annotations
 
-from amaranth.hdl import Array, Elaboratable, Module, Shape, Signal, Value, signed, unsigned
+from amaranth.hdl import (
+    Array,
+    Elaboratable,
+    Module,
+    Shape,
+    Signal,
+    Value,
+    signed,
+    unsigned,
+)
 from amaranth.lib.memory import Memory
 
 from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
 from qnorm.qformat import QFormat
-
 
 EXTRA_BANKS = 4  # row banks beyond P + 2 that hide the per-row pipeline (enough for N >= 48)
 
