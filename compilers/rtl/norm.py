@@ -30,7 +30,7 @@ the stages walk in order, each bank handed from stage to stage:
 row's first input until its last element is read out, P·N + D + N + 1 cycles,
 so with that many banks a new row starts every N cycles and the unit accepts
 and emits **one element per clock** in steady state when N >= (D + 2) / 4
-(D ~ 150-250 for the int8 configs: N = 64 streams at one element per clock).
+(D = 87-243 for the int8 configs here: N = 64 streams at one element per clock).
 Shorter rows take
 ``ceil((P·N + D + N + 1) / B)`` cycles per row.  Latency, first input accepted
 to first output valid: ``P·N + D + L + 2`` cycles (``NormUnit.latency``).
