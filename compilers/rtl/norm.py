@@ -69,8 +69,9 @@ def fmt_shape(fmt: QFormat) -> Shape:
     return signed(fmt.bits) if fmt.signed else unsigned(fmt.bits)
 
 
-def norm_graph(op: NormOp) -> tuple[Graph, Hdl, list[Hdl]]:
-    """Run the op's stages on HDL values: (graph, per-element output, latched per-row values)."""
+def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
+    """Run the op's stages on HDL values: the graph (row sums, latched per-row values)
+    and the per-element output."""
     cls = type(op)
     if cls._forward is not NormOp._forward:
         raise NotImplementedError(f"{cls.__name__} overrides NormOp._forward, which the RTL unit mirrors")
@@ -93,7 +94,7 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl, list[Hdl]]:
             f"{cls.__name__}'s stages {list(rep.items)} differ from the unit's {list(trace)}: "
             "the op's forward changed; update compilers/rtl/norm.py"
         )
-    return graph, y, rows
+    return graph, y
 
 
 class NormUnit(Elaboratable):
@@ -103,7 +104,7 @@ class NormUnit(Elaboratable):
         self._MustUse__silence = True  # Amaranth's unused-unit warning: not for a refused op
         self.op = op
         self.n = op.config.n
-        self.graph, self.y, self._rows = norm_graph(op)
+        self.graph, self.y = norm_graph(op)
         self._MustUse__silence = False
         self.passes = self.graph.passes()
         self.row_depth, self.element_depth = self._depths()
