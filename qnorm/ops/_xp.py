@@ -39,8 +39,15 @@ def take(values: Any, index: Any) -> Any:
 
 
 def const_like(x: Any, values: np.ndarray) -> Any:
-    """An int64 constant (e.g. per-channel multipliers) on the operand's backend/device."""
+    """An int64 constant (e.g. per-channel multipliers) on the operand's backend/device.
+
+    An operand kind with its own ``const_like`` (the RTL generator's HDL values:
+    a ROM read at the element's channel) builds the constant itself.
+    """
     values = np.asarray(values, dtype=np.int64)
+    own = getattr(type(x), "const_like", None)
+    if own is not None:
+        return own(x, values)
     if is_torch(x):
         import torch
 

@@ -12,8 +12,8 @@ the order the matrix shows them:
 * ``x86_64`` — the TVM CPU kernels of :mod:`compilers.tvm.kernels`
   (``kernel_for(op).build(target)``), imported lazily;
 * ``aarch64``, ``riscv64`` (:mod:`.backend_cross`), ``opencl``, ``cuda``
-  (:mod:`.backend_gpu`) and ``fpga-hls`` (:mod:`.backend_hls`), each module
-  registering its columns.
+  (:mod:`.backend_gpu`), ``fpga-hls`` (:mod:`.backend_hls`) and ``fpga-rtl``
+  (:mod:`.backend_rtl`), each module registering its columns.
 
 Target names come from ``qnorm.targets.known_targets()``; a target without a
 registered backend shows as SKIP ("backend not implemented").
@@ -125,3 +125,4 @@ register(Backend("x86_64", "TVM llvm kernels (compilers.tvm.kernels), run native
 import qnorm.verify.backend_cross  # noqa: E402,F401  (registers aarch64, riscv64)
 import qnorm.verify.backend_gpu  # noqa: E402,F401  (registers opencl, cuda)
 import qnorm.verify.backend_hls  # noqa: E402,F401  (registers fpga-hls)
+import qnorm.verify.backend_rtl  # noqa: E402,F401  (registers fpga-rtl)

@@ -1,0 +1,251 @@
+"""The row-normalization unit (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm).
+
+Built from the op's own stages on :class:`~compilers.rtl.values.Hdl` values, in
+the order of :meth:`NormOp._forward`: ``_statistic`` (its ``row_sum`` calls become
+accumulators), ``add_eps``, ``split_exponent``, ``_inverse``, ``row_affine``
+(per row), then ``normalize`` and ``_output`` (per element).  The names the
+stages record must be exactly the op's range-report names, in order, and an op
+class that overrides ``_forward`` is refused: a stage added to the definition
+fails loudly here instead of going missing from the hardware.
+
+Architecture: a ring of ``B`` row banks (row buffer + per-row registers) that
+the stages walk in order, each bank handed from stage to stage:
+
+* pass 0 — accepts the row's N elements (one per clock), writes them to the
+  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …);
+* passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
+  need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
+* row — the per-row chain (ε, leading-zero split, inverse, multiplier a,
+  offset c, shift K) as a pipeline of D register levels: every value the op
+  records or reuses is a register, so the leading-zero search and the isqrt
+  take one level per step, and every division is a chain of one
+  compare-subtract level per quotient bit (:func:`~compilers.rtl.values.divide`);
+  the results are latched into the bank D clocks after it entered;
+* out — reads the buffer, one element per clock, through the element chain
+  (``x·a − c``, the rounding shift, the output window, gain, bias, rounding,
+  saturation) pipelined the same way in L levels, all stalled together while
+  the output is not taken.
+
+``B = P + 2 + min(ceil((D + 2) / N), EXTRA_BANKS)``: a bank is held from its
+row's first input until its last element is read out, P·N + D + N + 1 cycles,
+so with that many banks a new row starts every N cycles and the unit accepts
+and emits **one element per clock** in steady state when N >= (D + 2) / 4
+(D = 87-243 for the int8 configs here: N = 64 streams at one element per clock).
+Shorter rows take
+``ceil((P·N + D + N + 1) / B)`` cycles per row.  Latency, first input accepted
+to first output valid: ``P·N + D + L + 2`` cycles (``NormUnit.latency``).
+
+Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
+``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
+``out_ready``, ``out_data`` (the output format's width); a transfer happens on
+a rising clock edge where valid and ready are both high.  Rows are the
+consecutive groups of N elements, element 0 first.
+"""
+
+from __future__ import annotations
+
+from amaranth.hdl import (
+    Array,
+    Elaboratable,
+    Module,
+    Shape,
+    Signal,
+    Value,
+    signed,
+    unsigned,
+)
+from amaranth.lib.memory import Memory
+
+from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
+from qnorm.fixedpoint import bits_for
+from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
+from qnorm.qformat import QFormat
+
+EXTRA_BANKS = 4  # row banks beyond P + 2 that hide the per-row pipeline (enough for N >= 48)
+
+
+def fmt_shape(fmt: QFormat) -> Shape:
+    """The port shape of an integer format."""
+    return signed(fmt.bits) if fmt.signed else unsigned(fmt.bits)
+
+
+def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
+    """Run the op's stages on HDL values: the graph (row sums, latched per-row values)
+    and the per-element output."""
+    cls = type(op)
+    if cls._forward is not NormOp._forward:
+        raise NotImplementedError(f"{cls.__name__} overrides NormOp._forward, which the RTL unit mirrors")
+    cfg, rep = op.config, op.ranges()
+    graph = Graph(cfg.n)
+    trace = ProvenTrace(dict(rep.items))
+    x = graph.leaf()
+    s, s1 = op._statistic(x, trace)
+    w = add_eps(s, cfg, trace)
+    e, m = split_exponent(w, cfg, op._stat_bits, trace)
+    r = op._inverse(m, trace)
+    a, c, k = row_affine(s1, r, e, cfg, op._mult_shift, trace)
+    rows = [v for v in (a, c, k) if isinstance(v, Hdl)]
+    latched = [graph.latch(v) for v in rows]
+    a_l, k_l = latched[0], latched[-1]
+    c_l = latched[1] if isinstance(c, Hdl) else c
+    y = op._output(normalize(x, a_l, c_l, k_l, cfg, trace), trace)
+    if list(trace) != list(rep.items):
+        raise NotImplementedError(
+            f"{cls.__name__}'s stages {list(rep.items)} differ from the unit's {list(trace)}: "
+            "the op's forward changed; update compilers/rtl/norm.py"
+        )
+    return graph, y
+
+
+class NormUnit(Elaboratable):
+    """One norm instance as a streaming unit (see the module docstring)."""
+
+    def __init__(self, op: NormOp) -> None:
+        self._MustUse__silence = True  # Amaranth's unused-unit warning: not for a refused op
+        self.op = op
+        self.n = op.config.n
+        self.graph, self.y = norm_graph(op)
+        self._MustUse__silence = False
+        self.passes = self.graph.passes()
+        self.row_depth, self.element_depth = self._depths()
+        # a row holds its bank from its first input until its last element is read
+        # out, P·N + D + N + 1 cycles: with P + 2 + ceil((D + 2) / N) banks a row
+        # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 2)
+        self.banks = self.passes + 2 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
+        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
+        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
+        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
+        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
+
+    @property
+    def ports(self) -> list[Signal]:
+        return [self.in_valid, self.in_ready, self.in_data, self.out_valid, self.out_ready, self.out_data]
+
+    @property
+    def cycles_per_row(self) -> int:
+        """Steady-state cycles per row: N, or the bank ring's limit for short rows."""
+        occupancy = self.passes * self.n + self.row_depth + self.n + 1
+        return max(self.n, -(-occupancy // self.banks))
+
+    @property
+    def latency(self) -> int:
+        """First input accepted to first output valid: the passes, the row pipeline,
+        the element pipeline, and two registered hand-offs."""
+        return self.passes * self.n + self.row_depth + self.element_depth + 2
+
+    def _depths(self) -> tuple[int, int]:
+        """(D, L): the register levels of the per-row chain and of the element chain,
+        from a trial elaboration (the divider's steps depend on operand widths)."""
+        m = Module()
+        m._MustUse__silence = True
+        widths = {rs.slot: rs.width(64) for rs in self.graph.sums}
+        widths.update({slot: rs_bits(v) for slot, v in self.graph.latched.items()})
+        rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
+        zero = Signal(range(2))
+        row = Ctx(m, Signal(8), zero, zero, rows, pipelined=True)
+        d = max(v.staged(row)[1] for v in self.graph.latched.values())
+        elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
+        return d, self.y.staged(elem)[1]
+
+    def elaborate(self, platform: object) -> Module:
+        m = Module()
+        n, banks, graph, p_count = self.n, self.banks, self.graph, self.passes
+        # bank phases: p = waiting for (or in) pass p; P: for the row pipeline;
+        # P + 1: in it; P + 2: for (or in) the output pass; back to 0 when read out
+        row_ready, row_busy, out_ready = p_count, p_count + 1, p_count + 2
+        phase = [Signal(range(p_count + 3), name=f"phase{b}") for b in range(banks)]
+        stages = p_count + 2  # passes, row issue, output pass: each walks the banks in order
+        ptr = [Signal(range(banks), name=f"ptr{s}") for s in range(stages)]
+        want = [*range(p_count), row_ready, out_ready]
+        active = [Array(phase)[ptr[s]] == want[s] for s in range(stages)]
+        chan = [Signal(range(n), name=f"chan{s}") for s in range(stages)]
+
+        def hand_on(s: int, to: int) -> None:
+            m.d.sync += Array(phase)[ptr[s]].eq(to)
+            with m.If(ptr[s] == banks - 1):
+                m.d.sync += ptr[s].eq(0)
+            with m.Else():
+                m.d.sync += ptr[s].eq(ptr[s] + 1)
+
+        def count(s: int, step: Value, to: int) -> None:
+            """Count the stage's elements; the last one hands the bank on."""
+            with m.If(step):
+                with m.If(chan[s] == n - 1):
+                    m.d.sync += chan[s].eq(0)
+                    hand_on(s, to)
+                with m.Else():
+                    m.d.sync += chan[s].eq(chan[s] + 1)
+
+        m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
+        wr = buf.write_port()
+
+        # per-row registers, one per bank, for every row sum and latched value
+        rows: dict[int, list[Signal]] = {}
+
+        def slot_regs(slot: int, width: int) -> list[Signal]:
+            if slot not in rows:
+                rows[slot] = [Signal(signed(width), name=f"row{slot}_b{b}") for b in range(banks)]
+            return rows[slot]
+
+        # ---- statistic passes: accumulate as the elements go by
+        for p in range(p_count):
+            if p == 0:
+                x: Value = self.in_data
+                step = self.in_valid & self.in_ready
+                m.d.comb += self.in_ready.eq(active[0])
+                m.d.comb += [wr.addr.eq(ptr[0] * n + chan[0]), wr.data.eq(self.in_data), wr.en.eq(step)]
+            else:
+                rd = buf.read_port(domain="comb")
+                m.d.comb += rd.addr.eq(ptr[p] * n + chan[p])
+                x, step = rd.data, active[p]
+            ctx = Ctx(m, x, chan[p], ptr[p], rows)
+            for rs in [s for s in graph.sums if s.term.pass_ == p]:
+                term = signed_value(rs.term.value(ctx))
+                width = rs.width(len(term))
+                acc = Signal(signed(width), name=f"acc{rs.slot}")
+                regs = slot_regs(rs.slot, width)
+                with m.If(step):
+                    with m.If(chan[p] == n - 1):
+                        m.d.sync += [Array(regs)[ptr[p]].eq(acc + term), acc.eq(0)]
+                    with m.Else():
+                        m.d.sync += acc.eq(acc + term)
+            count(p, step, p + 1 if p + 1 < p_count else row_ready)
+
+        # ---- the per-row chain: a pipeline of D register levels from the bank's sums
+        for slot, v in graph.latched.items():
+            slot_regs(slot, rs_bits(v))
+        issue = active[p_count]
+        ctx = Ctx(m, self.in_data, chan[0], ptr[p_count], rows, pipelined=True)
+        results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
+        if max(level for _, level in results.values()) != self.row_depth:
+            raise RuntimeError(f"{self.op.name}: the per-row chain's depth differs from its trial elaboration")
+        done, bank = ctx.delay(issue, 0, self.row_depth), ctx.delay(ptr[p_count], 0, self.row_depth)
+        aligned = {slot: ctx.delay(v, level, self.row_depth) for slot, (v, level) in results.items()}
+        with m.If(issue):
+            hand_on(p_count, row_busy)
+        with m.If(done):  # (registers made inside an If would advance only under it)
+            for slot, v in aligned.items():
+                m.d.sync += Array(rows[slot])[bank].eq(v)
+            m.d.sync += Array(phase)[bank].eq(out_ready)
+
+        # ---- output pass: a pipeline of L levels, all stalled while the output waits
+        o = p_count + 1
+        rd = buf.read_port(domain="comb")
+        m.d.comb += rd.addr.eq(ptr[o] * n + chan[o])
+        advance = ~self.out_valid | self.out_ready
+        ctx = Ctx(m, rd.data, chan[o], ptr[o], rows, pipelined=True, enable=advance)
+        y, level = self.y.staged(ctx)
+        if level != self.element_depth:
+            raise RuntimeError(f"{self.op.name}: the element chain's depth differs from its trial elaboration")
+        step = active[o] & advance
+        valid = ctx.delay(step, 0, level)
+        with m.If(advance):
+            m.d.sync += [self.out_data.eq(y), self.out_valid.eq(valid)]
+        count(o, step, 0)
+        return m
+
+
+def rs_bits(v: Hdl) -> int:
+    """The width of a recorded per-row value (its proven interval)."""
+    assert v.iv is not None
+    return bits_for(v.iv.lo, v.iv.hi)

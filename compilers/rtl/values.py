@@ -1,0 +1,479 @@
+"""HDL values the op's own integer code runs on: how the RTL units are the definition.
+
+The golden ops are written with operators, :mod:`qnorm.fixedpoint` and the
+:mod:`qnorm.ops._xp` helpers, so numpy, torch and TIR run one body.  :class:`Hdl`
+is a fourth operand kind those bodies accept.  An ``Hdl`` is *lazy*: a function
+from a stage's :class:`Ctx` (which element, channel and row bank the stage is
+at) to an Amaranth value, so one expression graph is elaborated in every
+pipeline stage that needs it — the norm's ``x`` is the input port in the first
+pass and a row-buffer read in the output pass.
+
+Semantics are those of Python integers: every leaf and constant is signed and
+Amaranth widens every result, so nothing wraps; ``>>`` is arithmetic, ``//`` and
+``%`` floor, comparisons 1-bit.  Shift amounts are at most 62 (the contract of
+every fixedpoint shift, proven by the range analysis), so their low 6 bits are
+the amount.  :func:`qnorm.fixedpoint.select`, ``land``, ``lor``, ``clamp`` and the
+``1`` of a rounding shift come from :data:`HdlOps` (Mux and Amaranth's logic),
+and :func:`qnorm.ops._xp.const_like` from :meth:`Hdl.const_like`: a ROM of the
+per-channel constants at their exact width, read at the element's channel.
+
+Widths are the proof's: :class:`ProvenTrace` receives every intermediate the op
+records and gives it the interval of the op's range report, so the named wire
+(``stat``, ``rsqrt``, ``mult``, ``xa``, ``acc`` …) is exactly as wide as
+``op.ranges()`` says; truncating to it is exact because the report bounds it.
+
+Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value is a
+register and each value carries its level (registers since the stage's
+inputs); an operation first delays its operands to a common level, so every
+path is balanced and a new input may enter every clock.  A division becomes one
+compare-subtract register level per quotient bit (:func:`divide`).  The digit
+loops of the definition (``bit_length_search``, ``isqrt_digits``) reuse each
+step's value, so they become one level per step by the same rule.
+
+Rates.  A value is per element or per row.  ``x.sum(...)`` (``_xp.row_sum``)
+turns a per-element value into a per-row one: an accumulator in the pass that
+evaluates the term, read by later stages from the row's bank.  A per-element
+value that uses a per-row value of pass ``p`` belongs to pass ``p + 1`` (L1's
+``N·x − Σx`` needs Σx, so its ``Σ|·|`` is a second pass over the row buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
+
+from qnorm.analysis import Interval
+from qnorm.fixedpoint import bits_for
+
+SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
+
+
+def signed_value(v: Value) -> Value:
+    """``v`` as a signed value of the same integer (a 1-bit compare becomes 0 / 1)."""
+    return v if v.shape().signed else Cat(v, Const(0, 1)).as_signed()
+
+
+def const(k: int) -> Value:
+    """A Python int as a signed constant of its own width."""
+    return Const(int(k), signed(bits_for(int(k), int(k))))
+
+
+def sized(v: Value, iv: Interval, name: str, m: Module) -> Value:
+    """A wire named ``name`` of exactly the width ``iv`` needs, driven by ``v``
+    (exact: the caller proved v lies in iv)."""
+    wire = Signal(signed(bits_for(iv.lo, iv.hi)), name=name)
+    m.d.comb += wire.eq(v)
+    return wire
+
+
+@dataclass(eq=False)
+class Ctx:
+    """Where a stage evaluates expressions: its module, the element ``x`` it is at,
+    that element's ``channel`` (index in the row or channel vector), its row
+    ``bank``, and the per-row values it reads (``rows[slot]``: one register per bank)."""
+
+    m: Module
+    x: Value
+    channel: Value
+    bank: Value | None = None
+    rows: dict[int, list[Signal]] = field(default_factory=dict)
+    extra: dict[str, Value] = field(default_factory=dict)
+    # pipelined: every shared or recorded value is a register (advancing with
+    # ``enable``, None: every clock), operands are delayed to a common level, and
+    # a division is a chain of one compare-subtract stage per quotient bit
+    pipelined: bool = False
+    enable: Value | None = None
+    memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
+    delays: dict[tuple[int, int], Any] = field(default_factory=dict)
+    keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
+
+    def register(self, v: Value, name: str) -> Value:
+        """A register of ``v``: call it outside any ``m.If`` (it would advance only there)."""
+        reg = Signal(v.shape(), name=name)
+        if self.enable is None:
+            self.m.d.sync += reg.eq(v)
+        else:
+            with self.m.If(self.enable):
+                self.m.d.sync += reg.eq(v)
+        return reg
+
+    def delay(self, v: Value, level: int, to: int) -> Value:
+        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared."""
+        if isinstance(v, Const):
+            return v
+        base = id(v)
+        self.keep.append(v)
+        for k in range(level + 1, to + 1):
+            key = (base, k)
+            if key not in self.delays:
+                self.delays[key] = self.register(v, "d")
+            v = self.delays[key]
+        return v
+
+
+@dataclass(eq=False)
+class RowSum:
+    """An accumulator: ``term`` summed over the row in pass ``term.pass_``."""
+
+    slot: int
+    term: Hdl
+    result: Hdl | None = None
+
+    def width(self, term_bits: int) -> int:
+        """The accumulator's width: the proven one where the op recorded the sum, else
+        enough for N terms of ``term_bits``."""
+        iv = None if self.result is None else self.result.iv
+        if iv is not None:
+            return bits_for(iv.lo, iv.hi)
+        n = 1 if self.result is None else self.result.graph.n
+        return term_bits + max(n - 1, 1).bit_length()
+
+
+class Graph:
+    """What one op's code built: the row sums (slots) and the per-row values latched
+    into banks, plus the leaf of the element stream.  ``n``: the row length (1 for
+    elementwise units); ``shape``: the trailing shape an element stands for."""
+
+    def __init__(self, n: int, shape: tuple[int, ...] = ()) -> None:
+        self.n = n
+        self.shape = shape
+        self.sums: list[RowSum] = []
+        self.latched: dict[int, Hdl] = {}
+        self._slots = 0
+
+    def new_slot(self) -> int:
+        self._slots += 1
+        return self._slots - 1
+
+    def leaf(self, name: str = "x") -> Hdl:
+        """The stage's current element (``ctx.x``), or a named side value (``ctx.extra``)."""
+        if name == "x":
+            return Hdl(self, lambda ctx: ctx.x, (), 0, False)
+        return Hdl(self, lambda ctx: ctx.extra[name], (), 0, False)
+
+    def latch(self, v: Hdl) -> Hdl:
+        """A per-row value computed once (the row stage) and read back from the row's bank."""
+        slot = self.new_slot()
+        self.latched[slot] = v
+        return Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+
+    def passes(self) -> int:
+        """How many passes over the row the statistic takes (at least one: the input)."""
+        return 1 + max((s.term.pass_ for s in self.sums), default=0)
+
+
+class Hdl:
+    """A lazy integer expression (see the module docstring): ``fn`` of the values
+    of ``deps`` (a leaf: of the context alone)."""
+
+    def __init__(self, graph: Graph, fn: Callable[..., Value], deps: tuple[Hdl, ...], pass_: int, per_row: bool,
+                 iv: Interval | None = None, name: str | None = None) -> None:
+        self.graph, self.fn, self.deps, self.pass_, self.per_row = graph, fn, deps, pass_, per_row
+        self.iv, self.name = iv, name
+        self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
+        for d in deps:
+            d.uses += 1
+
+    # ---- evaluation
+
+    def value(self, ctx: Ctx) -> Value:
+        """The Amaranth value in ``ctx`` (built once per context)."""
+        return self.staged(ctx)[0]
+
+    def staged(self, ctx: Ctx) -> tuple[Value, int]:
+        """The value and its pipeline level in ``ctx`` (always 0 unless pipelined)."""
+        key = id(self)
+        if key not in ctx.memo:
+            parts = [d.staged(ctx) for d in self.deps]
+            level = max((lv for _, lv in parts), default=0)
+            got = self.fn(ctx, *(ctx.delay(v, lv, level) for v, lv in parts))
+            v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
+            if self.iv is not None:
+                v = sized(v, self.iv, self.name or "v", ctx.m)
+            if ctx.pipelined and not isinstance(v, Const) and (self.iv is not None or self.uses > 1):
+                v, level = ctx.register(v, self.name or "p"), level + 1
+            elif self.uses > 1 and self.iv is None:
+                # a wire, so the expression is not copied into every reader (the
+                # digit loops reuse each step's value twice: a tree would double per step)
+                wire = Signal(v.shape(), name=self.name or "t")
+                ctx.m.d.comb += wire.eq(v)
+                v = wire
+            ctx.memo[key] = (v, level)
+        return ctx.memo[key]
+
+    def narrow(self, iv: Interval, name: str) -> None:
+        """The op's proof bounds this value by ``iv``: its wire takes exactly that width."""
+        self.iv = iv if self.iv is None else Interval(max(iv.lo, self.iv.lo), min(iv.hi, self.iv.hi))
+        self.name = name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The trailing shape one element stands for (the ops' shape checks read it)."""
+        return self.graph.shape
+
+    # ---- lifting
+
+    def _lift(self, o: Any) -> Hdl:
+        if isinstance(o, Hdl):
+            return o
+        if isinstance(o, (bool, np.bool_)):
+            return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), (), 0, True)
+        if isinstance(o, (int, np.integer)):
+            return Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
+        if isinstance(o, np.ndarray) and o.ndim == 0:
+            return self._lift(int(o))
+        raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
+
+    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True) -> Hdl:
+        a, b = self, self._lift(o)
+
+        def build(ctx: Ctx, va: Value, vb: Value) -> Value:
+            return f(signed_value(va), signed_value(vb)) if arith else f(va, vb)
+
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+
+    def _unary(self, f: Callable[[Value], Value]) -> Hdl:
+        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row)
+
+    # ---- arithmetic (Python-integer semantics)
+
+    def __add__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a + b)
+
+    def __radd__(self, o: Any) -> Hdl:
+        return self._lift(o) + self
+
+    def __sub__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a - b)
+
+    def __rsub__(self, o: Any) -> Hdl:
+        return self._lift(o) - self
+
+    def __mul__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a * b)
+
+    def __rmul__(self, o: Any) -> Hdl:
+        return self._lift(o) * self
+
+    def __floordiv__(self, o: Any) -> Hdl:
+        return self._divide(o, quotient=True)
+
+    def __rfloordiv__(self, o: Any) -> Hdl:
+        return self._lift(o) // self
+
+    def __mod__(self, o: Any) -> Hdl:
+        return self._divide(o, quotient=False)
+
+    def _divide(self, o: Any, quotient: bool) -> Hdl:
+        """Floor division or modulo: combinational, or pipelined (:func:`divide`)."""
+        a, b = self, self._lift(o)
+
+        def build(ctx: Ctx, n: Value, d: Value) -> Value | tuple[Value, int]:
+            n, d = signed_value(n), signed_value(d)
+            if not ctx.pipelined:
+                return n // d if quotient else n % d
+            key = (id(n), id(d))
+            if key not in ctx.delays:  # one divider gives both results
+                ctx.keep += [n, d]
+                ctx.delays[key] = divide(ctx, n, d)
+            q, r, steps = ctx.delays[key]
+            return (q if quotient else r), steps
+
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+
+    def __rmod__(self, o: Any) -> Hdl:
+        return self._lift(o) % self
+
+    def __neg__(self) -> Hdl:
+        return self._unary(lambda a: -a)
+
+    def __abs__(self) -> Hdl:
+        return self._unary(lambda a: Mux(a < 0, -a, a))
+
+    def __and__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a & b)
+
+    __rand__ = __and__
+
+    def __or__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a | b)
+
+    __ror__ = __or__
+
+    def __xor__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a ^ b)
+
+    __rxor__ = __xor__
+
+    def __lshift__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS])
+
+    def __rlshift__(self, o: Any) -> Hdl:
+        return self._lift(o) << self
+
+    def __rshift__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS])
+
+    def __rrshift__(self, o: Any) -> Hdl:
+        return self._lift(o) >> self
+
+    # ---- comparisons (1-bit results)
+
+    def __lt__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a < b)
+
+    def __le__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a <= b)
+
+    def __gt__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a > b)
+
+    def __ge__(self, o: Any) -> Hdl:
+        return self._combine(o, lambda a, b: a >= b)
+
+    def __eq__(self, o: object) -> Hdl:  # type: ignore[override]
+        return self._combine(o, lambda a, b: a == b)
+
+    def __ne__(self, o: object) -> Hdl:  # type: ignore[override]
+        return self._combine(o, lambda a, b: a != b)
+
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise TypeError("an HDL value has no truth value while the hardware is built; use fixedpoint.select")
+
+    # ---- the numpy-style helpers of qnorm.ops._xp
+
+    def sum(self, axis: int = -1, keepdims: bool = True, dtype: Any = None) -> Hdl:
+        """``row_sum``: an accumulator over the row, in the pass that evaluates this term."""
+        if self.per_row:
+            raise TypeError("a per-row value has no row to sum over")
+        graph = self.graph
+        self.uses += 1
+        acc = RowSum(graph.new_slot(), self)
+        graph.sums.append(acc)
+        acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], (), self.pass_ + 1, True)
+        return acc.result
+
+    def __getitem__(self, key: Any) -> Hdl:
+        """``x[..., :k]`` (``take_prefix``): the element where its channel is below k,
+        else 0 — exact for the row sums the ops take over a prefix."""
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], slice)
+                and key[1].start is None and key[1].step is None and isinstance(key[1].stop, int)):
+            raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
+        k = key[1].stop
+        channel = Hdl(self.graph, lambda ctx: ctx.channel, (), 0, False)
+        return Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
+
+    def const_like(self, values: np.ndarray) -> Hdl:
+        """Per-channel constants as a ROM of their exact width, read at the element's channel."""
+        return Table(self.graph, np.asarray(values, dtype=np.int64))
+
+
+class Table(Hdl):
+    """Per-channel integer constants (shape ``(C,)`` or ``(*P, L)`` with ``[..., j]``)."""
+
+    def __init__(self, graph: Graph, values: np.ndarray) -> None:
+        self.values = values
+        channel = Hdl(graph, lambda ctx: ctx.channel, (), 0, False)
+        super().__init__(graph, self._read, (channel,), 0, False)
+
+    def _read(self, ctx: Ctx, channel: Value) -> Value:
+        if self.values.ndim > 1 and self.values.shape != self.graph.shape:
+            raise TypeError(f"a table of shape {self.values.shape} is read per level: index it [..., j]")
+        vals = self.values.reshape(-1).tolist()
+        lo, hi = min(vals), max(vals)
+        if lo == hi:
+            return const(lo)
+        shape = signed(bits_for(lo, hi))
+        rom = Array(Const(v, shape) for v in vals)
+        return rom[channel]
+
+    def __getitem__(self, key: Any) -> Hdl:
+        if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
+            return Table(self.graph, self.values[..., int(key[1])])
+        raise TypeError(f"a constant table is indexed [..., j], not {key!r}")
+
+
+def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
+    """Floor quotient and modulo of ``n`` by ``d > 0`` (every division of the
+    definition has a positive divisor), one restoring step per quotient bit,
+    each step a register: (q, r, the steps' latency).
+
+    A negative n divides ``−n + d − 1`` (= ceil of −n / d, floored): then
+    ``n // d = −q`` and ``n % d = d − 1 − r``."""
+    bits = max(len(n), len(d)) + 1  # −n + d − 1 fits
+    neg = n < 0
+    mag = Mux(neg, -n + d - 1, n).as_unsigned()[:bits]
+    dd = d.as_unsigned()[: len(d)]
+    rem: Value = Const(0, len(dd) + 1)
+    quo: Value = Const(0, 1)
+    level = 0
+    neg_l = neg
+    for i in range(bits - 1, -1, -1):
+        trial = Cat(mag[i], rem)
+        take = trial >= dd
+        rem = Mux(take, trial - dd, trial)[: len(dd) + 1]
+        quo = Cat(take, quo)
+        rem, quo = ctx.register(rem, "div_r"), ctx.register(quo[:bits], "div_q")
+        mag, dd, neg_l = ctx.register(mag, "div_n"), ctx.register(dd, "div_d"), ctx.register(neg_l, "div_s")
+        level += 1
+    q = Mux(neg_l, -signed_value(quo), signed_value(quo))
+    r = Mux(neg_l, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
+    return q, r, level
+
+
+class _HdlOps:
+    """The primitives :mod:`qnorm.fixedpoint` takes from an operand kind of its own."""
+
+    @staticmethod
+    def _graph(*vals: Any) -> Hdl:
+        return next(v for v in vals if isinstance(v, Hdl))
+
+    def select(self, cond: Any, a: Any, b: Any) -> Hdl:
+        h = self._graph(cond, a, b)
+        c, x, y = h._lift(cond), h._lift(a), h._lift(b)
+        pass_ = max(c.pass_, x.pass_, y.pass_)
+        rate = c.per_row and x.per_row and y.per_row
+        return Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
+                   pass_, rate)
+
+    def land(self, a: Any, b: Any) -> Hdl:
+        h = self._graph(a, b)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False)
+
+    def lor(self, a: Any, b: Any) -> Hdl:
+        h = self._graph(a, b)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False)
+
+    def clamp(self, v: Any, lo: Any, hi: Any) -> Hdl:
+        h = self._graph(v, lo, hi)
+        x = h._lift(v)
+        up = self.select(x < lo, lo, x)
+        return self.select(up > hi, hi, up)
+
+    def one_like(self, s: Any) -> Hdl:
+        return s._lift(1)
+
+
+Hdl.fixedpoint_ops = _HdlOps()
+
+
+class ProvenTrace(dict):
+    """A trace for the op's ``record`` calls: each recorded HDL value takes the op's
+    proven interval for its name (its wire is exactly that wide), and the names
+    arrive in order, so a caller can check it saw every stage of the op."""
+
+    def __init__(self, proven: dict[str, Interval]) -> None:
+        super().__init__()
+        self.proven = proven
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        item = value.item() if isinstance(value, np.ndarray) and value.dtype == object and value.ndim == 0 else value
+        if isinstance(item, Hdl) and name in self.proven:
+            item.narrow(self.proven[name], name)
+        super().__setitem__(name, item)

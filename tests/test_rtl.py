@@ -1,0 +1,124 @@
+"""The RTL units (compilers.rtl) against the golden ops, bit for bit, in HDL simulation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("amaranth")
+
+from compilers.rtl import rtl_unit
+from compilers.rtl.sim import simulate
+from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.qformat import QFormat
+from qnorm.verify.backend_rtl import stream_order
+from qnorm.verify.cases import case_named
+from qnorm.verify.vectors import edge_vectors, random_inputs
+
+# One small case per family (and per rounding rule / statistic variant).
+FAMILY_CASES = [
+    "int_layernorm.int8.n7.half_even",
+    "int_layernorm.int4.n4",
+    "l1_layernorm.int4.n7.trunc",
+    "shift_layernorm.int4.n7.m2.half_away",
+    "int_rmsnorm.int4.n7.p05.floor",
+    "int_rmsnorm.int8.n2.half_even",
+    "multithreshold.int8.c16.s3.floor",
+    "bn_quant.int8.c16.s8.half_away",
+    "folded_lif.int4.c8.soft.ge.leak05",
+    "mpbn_lif.int8.c16.hard.ge.leak0875",
+]
+
+
+def run_unit(op, x: np.ndarray, **kw) -> np.ndarray:
+    stream, first, restore = stream_order(op, x)
+    return restore(simulate(rtl_unit(op), stream, first, **kw).out)
+
+
+@pytest.mark.parametrize("name", FAMILY_CASES)
+def test_unit_is_bit_exact_on_random_and_edge_inputs(name: str) -> None:
+    case = case_named(name)
+    op = case.build()
+    x = random_inputs(case, np.random.default_rng(7), 2 if case.layout == "rows" else 4)
+    if case.layout == "rows":  # and the edge rows: extremes, constant rows (the ε path)
+        x = np.concatenate([x, edge_vectors(case, complete=False)[:3]])
+    assert np.array_equal(run_unit(op, x), op.forward(x))
+
+
+NORMS = [IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm]
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    family=st.sampled_from(NORMS),
+    n=st.integers(1, 9),
+    bits=st.sampled_from([4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_norm_units_match_the_golden_op_over_shapes_and_widths(family, n: int, bits: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    gamma = rng.normal(1.0, 0.5, n)
+    op = family.from_float(gamma, rng.normal(0.0, 0.5, n), eps=1e-3, in_fmt=QFormat(bits, 0.1))
+    x = rng.integers(op.in_fmt.lo, op.in_fmt.hi + 1, (2, n))
+    x[0] = op.in_fmt.lo  # a constant row: the ε path
+    assert np.array_equal(run_unit(op, x), op.forward(x))
+
+
+@pytest.mark.parametrize("family", [IntLayerNorm, pytest.param(L1LayerNorm, marks=pytest.mark.slow)])
+def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
+    """Row k+1 streams in while row k streams out: inputs accepted and outputs
+    produced on consecutive clocks, after the documented latency."""
+    n, rows = 64, 4
+    op = family.from_float(np.linspace(0.5, 1.5, n))
+    unit = rtl_unit(op)
+    x = np.random.default_rng(3).integers(-128, 128, (rows, n))
+    res = simulate(unit, x.reshape(-1))
+    assert np.array_equal(res.out.reshape(x.shape), op.forward(x))
+    assert np.array_equal(np.diff(res.in_cycles), np.ones(n * rows - 1))
+    assert np.array_equal(np.diff(res.out_cycles), np.ones(n * rows - 1))
+    norm = unit.elaboratable
+    assert res.out_cycles[0] - res.in_cycles[0] == unit.latency
+    assert unit.latency == norm.passes * n + norm.row_depth + norm.element_depth + 2
+    assert unit.cycles_per_row == n and unit.elements_per_cycle == 1.0
+
+
+def test_norm_unit_holds_its_output_under_back_pressure() -> None:
+    case = case_named("int_layernorm.int8.n7.half_even")
+    op = case.build()
+    x = random_inputs(case, np.random.default_rng(11), 3)
+    assert np.array_equal(run_unit(op, x, out_stall_every=3), op.forward(x))
+
+
+def test_neuron_stream_order_round_trips() -> None:
+    op = case_named("folded_lif.int4.c8.soft.ge.leak05").build()
+    x = np.arange(3 * 2 * 8).reshape(3, 2, 8)
+    stream, first, restore = stream_order(op, x)
+    assert stream[:8].tolist() == x[0, 0].tolist() and stream[8:16].tolist() == x[1, 0].tolist()
+    assert np.flatnonzero(first).tolist() == [0, 24]
+    assert np.array_equal(restore(stream), x)
+
+
+def test_an_op_that_changes_the_norm_forward_is_refused() -> None:
+    class Custom(IntLayerNorm):
+        def _forward(self, x, trace):
+            return super()._forward(x, trace)
+
+    op = IntLayerNorm.from_float(np.ones(4))
+    custom = Custom(op.config, op.params)
+    with pytest.raises(NotImplementedError, match="overrides NormOp._forward"):
+        rtl_unit(custom)
+
+
+@pytest.mark.slow
+def test_verilator_model_is_bit_exact_on_a_large_stream() -> None:
+    from compilers.rtl.verilator import build
+
+    case = case_named("l1_layernorm.int8.n64")
+    op = case.build()
+    unit = rtl_unit(op)
+    x = random_inputs(case, np.random.default_rng(5), 1600)
+    out, cycles = build(unit).run(x.reshape(-1))
+    assert np.array_equal(out.reshape(x.shape), op.forward(x))
+    assert cycles == unit.latency + x.size  # one element per clock end to end
