@@ -291,10 +291,10 @@ def test_the_report_gives_each_result_and_the_p5_ratios() -> None:
     assert "- yosys: Yosys 0.70" in text
 
 
-def test_without_the_integer_units_the_report_says_there_is_no_ratio() -> None:
+def test_without_an_l1_l2_pair_the_report_says_there_is_no_ratio() -> None:
     fp = _report_unit(report.FP16_OP, 64)
     assert report.ratio_rows([(fp, _result(fp.name, "xc7", 400, 100, 0))]) == []
-    assert "not in this build" in report.ratio_table([])[0]
+    assert "No pair to compare" in report.ratio_table([])[0]
 
 
 def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkeypatch) -> None:
@@ -313,3 +313,14 @@ def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkey
 def test_qnorm_synth_refuses_a_directory_as_its_output(tmp_path, capsys) -> None:
     assert main(["synth", "--out", str(tmp_path)]) == 2
     assert "is a directory, not a file" in capsys.readouterr().err
+
+
+def test_every_report_unit_converts_to_rtlil():
+    """The integer ops' RTL units are plain elaboratables: the report must hand their
+    ports to the converter (a unit without them cannot be synthesized at all)."""
+    from qnorm.verify.cases import case_named
+
+    units = report.op_units(True, case_named)
+    assert {u.op for u in units} >= {"int_layernorm", "l1_layernorm", "multithreshold"}
+    cheapest = next(u for u in units if u.op == "multithreshold")
+    assert f"module \\{synth.TOP}" in synth.to_rtlil(cheapest.elaboratable, cheapest.ports)

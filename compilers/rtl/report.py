@@ -22,6 +22,7 @@ import numpy as np
 from amaranth.hdl import Elaboratable
 
 from compilers.rtl.fp16 import FP16LayerNorm
+from compilers.rtl.unit import rtl_unit
 from compilers.rtl.synth import (
     FAMILIES,
     PNR_FLAGS,
@@ -60,6 +61,7 @@ class ReportUnit:
     elaboratable: Elaboratable
     cycles_per_row: int
     elements_per_cycle: float  # sustained, o.ready held high
+    ports: tuple[Any, ...] | None = None  # a plain Elaboratable's ports (a component's come from its signature)
 
     @property
     def name(self) -> str:
@@ -87,14 +89,7 @@ def fp16_units(row_lengths: Iterable[int]) -> list[ReportUnit]:
 def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
     """The integer ops' RTL units of :data:`OP_CASES` (rows of 64 only with ``quick``);
     ``case_named``: the verify catalogue's lookup (``qnorm.verify.cases.case_named``,
-    passed in by the command: the catalogue sits above the compilers).  None where
-    ``compilers.rtl`` has no ``rtl_unit`` (the FP16 units are then reported alone)."""
-    try:
-        from compilers.rtl import rtl_unit
-    except ImportError as err:
-        if err.name != "compilers.rtl":
-            raise  # compilers.rtl is there but broken: not a missing generator
-        return []
+    passed in by the command: the catalogue sits above the compilers)."""
     units = []
     for spec in OP_CASES:
         name, _, length = spec.partition("@")
@@ -107,7 +102,9 @@ def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
             )
         unit = rtl_unit(case.build())
         op, _, config = case.name.partition(".")
-        units.append(ReportUnit(op, config, unit.elaboratable, unit.cycles_per_row, unit.elements_per_cycle))
+        units.append(
+            ReportUnit(op, config, unit.elaboratable, unit.cycles_per_row, unit.elements_per_cycle, tuple(unit.ports))
+        )
     return units
 
 
@@ -120,7 +117,7 @@ def synthesize_all(
     """Every unit on every family, in order; ``progress`` gets one line per result."""
     results = []
     for unit in units:
-        text = to_rtlil(unit.elaboratable)
+        text = to_rtlil(unit.elaboratable, unit.ports)
         for family in families:
             result = synthesize_rtlil(text, unit.name, family)
             state = "cache hit" if result.cache_hit else f"{result.seconds:.0f} s"
@@ -188,7 +185,7 @@ def ratio_rows(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[tuple[
 def ratio_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
     rows = ratio_rows(results)
     if not rows:
-        return ["No pair to compare: the integer norms' RTL units (`compilers.rtl.rtl_unit`) are not in this build."]
+        return ["No pair to compare: the report holds no synthesized L1LayerNorm / IntLayerNorm pair."]
     lines = ["| comparison | N | family | LUT | FF | DSP |", "|---|---:|---|---:|---:|---:|"]
     lines += [f"| {what} | {n} | {family} | {r['lut']} | {r['ff']} | {r['dsp']} |" for what, n, family, r in rows]
     return lines
