@@ -1,17 +1,20 @@
-"""What the artifacts that compute on integers in and out (the C API, OpenCL) share:
-the input and output grids their metadata records, and saving their files."""
+"""What the artifacts that compute on integers in and out (the C API, OpenCL, CUDA) share:
+the input and output grids their metadata records, their fields (:class:`BuiltModel`),
+and saving their files."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from compilers.cache import sha256_file
+from qnorm.targets import Target
 
 
 def quantize_input(metadata: Mapping[str, Any], x: np.ndarray) -> np.ndarray:
@@ -45,6 +48,31 @@ def check_input_integers(metadata: Mapping[str, Any], k: np.ndarray) -> np.ndarr
 def output_scale(metadata: Mapping[str, Any]) -> float:
     """y = k * this, for the output integers k."""
     return float(metadata["output"]["format"]["scale"])
+
+
+@dataclass
+class BuiltModel:
+    """A built model: ``directory`` holds its files (a cache entry or a saved model).
+    Subclasses run it (:meth:`run_ints`) where this machine can."""
+
+    directory: Path
+    metadata: dict[str, Any]
+    target: Target
+    cache_hit: bool = False
+    seconds: float = 0.0
+    digests: Mapping[str, str] = field(default_factory=dict)  # file -> sha256, as checked
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        """The integers the model's first quantizer makes of float32 ``x``."""
+        return quantize_input(self.metadata, x)
+
+    def run_ints(self, k: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Float32 input to float32 output, like :class:`compilers.tvm.graph.CompiledModel`."""
+        out = self.run_ints(self.quantize(x))
+        return (out.astype(np.float64) * output_scale(self.metadata)).astype(np.float32)
 
 
 def save_files(

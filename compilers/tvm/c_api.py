@@ -31,7 +31,7 @@ import shlex
 import subprocess
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,8 @@ import tvm_ffi.libinfo
 
 from compilers.cache import sha256_file
 from compilers.tvm.artifacts import (
+    BuiltModel,
     check_input_integers,
-    output_scale,
-    quantize_input,
     save_files,
 )
 from compilers.tvm.build import tvm_target
@@ -335,28 +334,12 @@ def _plan_source(plan: StaticPlan) -> str:
 
 
 @dataclass
-class CApiModel:
-    """A built C-API model: ``directory`` holds its files (a cache entry or a saved model)."""
-
-    directory: Path
-    metadata: dict[str, Any]
-    target: Target
-    cache_hit: bool = False
-    seconds: float = 0.0
-    digests: Mapping[str, str] = field(default_factory=dict)  # file -> sha256, as checked
+class CApiModel(BuiltModel):
+    """A built C-API model (the fields: :class:`~.artifacts.BuiltModel`)."""
 
     @property
     def runner(self) -> Path:
         return self.directory / RUNNER
-
-    def quantize(self, x: np.ndarray) -> np.ndarray:
-        """The integers the model's first quantizer makes of float32 ``x`` (see :mod:`.artifacts`)."""
-        return quantize_input(self.metadata, x)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """Float32 input to float32 output, like :class:`compilers.tvm.graph.CompiledModel`."""
-        out = self.run_ints(self.quantize(x))
-        return (out.astype(np.float64) * output_scale(self.metadata)).astype(np.float32)
 
     def command(self, *args: str) -> list[str]:
         """The runner with ``args`` on this machine (under qemu-user for a cross target)."""

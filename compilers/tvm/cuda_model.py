@@ -19,8 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,11 @@ import numpy as np
 import tvm
 
 from compilers.cache import sha256_file
-from compilers.tvm.artifacts import check_input_integers, quantize_input, save_files
+from compilers.tvm.artifacts import (
+    BuiltModel,
+    check_input_integers,
+    save_files,
+)
 from compilers.tvm.build import tvm_target
 from compilers.tvm.cuda import OUTPUTS, archs, compile_source, nvcc_version
 from compilers.tvm.device_plan import lower_device_plan
@@ -90,19 +93,8 @@ def one_translation_unit(sources: tuple[str, ...]) -> str:
 
 
 @dataclass
-class CudaModel:
-    """A built CUDA model: ``directory`` holds its files (a cache entry or a saved model)."""
-
-    directory: Path
-    metadata: dict[str, Any]
-    target: Target
-    cache_hit: bool = False
-    seconds: float = 0.0
-    digests: Mapping[str, str] = field(default_factory=dict)  # file -> sha256, as checked
-
-    def quantize(self, x: np.ndarray) -> np.ndarray:
-        """The integers the model's first quantizer makes of float32 ``x`` (see :mod:`.artifacts`)."""
-        return quantize_input(self.metadata, x)
+class CudaModel(BuiltModel):
+    """A built CUDA model (the fields: :class:`~.artifacts.BuiltModel`)."""
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         raise RuntimeError("a CUDA model is built here, not run: scripts/gpu_check.sh runs it on a GPU "

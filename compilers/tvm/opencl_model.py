@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,8 @@ import tvm
 
 from compilers.cache import sha256_file
 from compilers.tvm.artifacts import (
+    BuiltModel,
     check_input_integers,
-    output_scale,
-    quantize_input,
     save_files,
 )
 from compilers.tvm.build import tvm_target
@@ -70,24 +69,8 @@ def build_opencl(mod: tvm.IRModule, target: Target, directory: Path) -> None:
 
 
 @dataclass
-class OpenCLModel:
-    """A built OpenCL model: ``directory`` holds its files (a cache entry or a saved model)."""
-
-    directory: Path
-    metadata: dict[str, Any]
-    target: Target
-    cache_hit: bool = False
-    seconds: float = 0.0
-    digests: Mapping[str, str] = field(default_factory=dict)  # file -> sha256, as checked
-
-    def quantize(self, x: np.ndarray) -> np.ndarray:
-        """The integers the model's first quantizer makes of float32 ``x`` (see :mod:`.artifacts`)."""
-        return quantize_input(self.metadata, x)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """Float32 input to float32 output, like :class:`compilers.tvm.graph.CompiledModel`."""
-        out = self.run_ints(self.quantize(x))
-        return (out.astype(np.float64) * output_scale(self.metadata)).astype(np.float32)
+class OpenCLModel(BuiltModel):
+    """A built OpenCL model (the fields: :class:`~.artifacts.BuiltModel`)."""
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
