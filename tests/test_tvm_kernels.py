@@ -428,3 +428,11 @@ def test_kernel_dtypes_follow_the_formats():
     op = NormCase(IntRMSNorm, 2, INT4).op()
     kernel = kernel_for(op)
     assert (kernel.in_dtype, kernel.out_dtype) == (fmt_dtype(INT4), "int8") == ("int8", "int8")
+
+
+def test_a_kernel_refuses_stages_the_op_does_not_record():
+    from compilers.tvm.kernels._base import check_mirrored_stages
+
+    check_mirrored_stages("IntLayerNorm", ["stat", "out"], ["stat", "out"], "norm_kernel")
+    with pytest.raises(NotImplementedError, match=r"IntLayerNorm's stages \['stat', 'z', 'out'\] .* update norm_kernel"):
+        check_mirrored_stages("IntLayerNorm", ["stat", "z", "out"], ["stat", "out"], "norm_kernel")

@@ -88,6 +88,16 @@ class ChannelConst:
         return self.values.astype(self.dtype)
 
 
+def check_mirrored_stages(op_name: str, op_stages: Sequence[str], kernel_stages: Sequence[str], builder: str) -> None:
+    """Refuse a kernel whose recorded stages are not the op's range-report names, in
+    order: the op's forward gained or lost a stage the kernel mirrors."""
+    if list(kernel_stages) != list(op_stages):
+        raise NotImplementedError(
+            f"{op_name}'s stages {list(op_stages)} differ from the kernel's {list(kernel_stages)}: "
+            f"the op's forward changed; update {builder}"
+        )
+
+
 def load_as(t: te.Tensor, dtype: str, *idx: Any) -> Any:
     """An element of ``t`` in ``dtype`` (a buffer holds its values exactly: widening is exact)."""
     v = tvm.runtime.convert(t[idx])

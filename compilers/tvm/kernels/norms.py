@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 from tvm import te
 
-from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, load64, load_as
+from compilers.tvm.kernels._base import (
+    ChannelConst,
+    Kernel,
+    check_mirrored_stages,
+    fmt_dtype,
+    load64,
+    load_as,
+)
 from compilers.tvm.kernels._rows import ProvenTrace, Rows
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute, staged_compute_many
@@ -146,11 +153,7 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         return out.astype(fmt_dtype(cfg.out_fmt))
 
     out = row_staged_compute(rows, n, element, "out")
-    if list(trace) != list(rep.items):
-        raise NotImplementedError(
-            f"{cls.__name__}'s stages {list(rep.items)} differ from the kernel's {list(trace)}: "
-            "the op's forward changed; update norm_kernel"
-        )
+    check_mirrored_stages(cls.__name__, list(rep.items), list(trace), "norm_kernel")
     func = te.create_prim_func([x, *bufs.values(), out])
     return Kernel(
         op=op,

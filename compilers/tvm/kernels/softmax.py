@@ -31,7 +31,15 @@ from typing import Any
 
 from tvm import te, tirx
 
-from compilers.tvm.kernels._base import ChannelConst, Kernel, fmt_dtype, int_dtype, load64, load_as
+from compilers.tvm.kernels._base import (
+    ChannelConst,
+    Kernel,
+    check_mirrored_stages,
+    fmt_dtype,
+    int_dtype,
+    load64,
+    load_as,
+)
 from compilers.tvm.kernels._stage import row_staged_compute
 from compilers.tvm.primitives import staged_compute
 from compilers.tvm.schedules import CPU, Schedule
@@ -114,11 +122,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
         return out.astype(fmt_dtype(cfg.out_fmt))
 
     out = row_staged_compute(rows, n, element, "out")
-    if list(trace) != list(rep.items):
-        raise NotImplementedError(
-            f"IntSoftmax's stages {list(rep.items)} differ from the kernel's {list(trace)}: "
-            "the op's forward changed; update softmax_kernel"
-        )
+    check_mirrored_stages("IntSoftmax", list(rep.items), list(trace), "softmax_kernel")
     func = te.create_prim_func([x, *tables, out])
     return Kernel(
         op=op,
