@@ -19,14 +19,14 @@ register).  Ports: see :mod:`compilers.rtl.unit`.
 from __future__ import annotations
 
 import numpy as np
-from amaranth.hdl import Elaboratable, Module, Signal
+from amaranth.hdl import Module, Signal
 
-from compilers.rtl.norm import fmt_shape
+from compilers.rtl.stream import StreamUnit
 from compilers.rtl.values import Ctx, Graph, ProvenTrace
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 
 
-class ElementwiseUnit(Elaboratable):
+class ElementwiseUnit(StreamUnit):
     """A per-channel map of a (rows, C) stream (see the module docstring)."""
 
     latency = 1
@@ -39,14 +39,7 @@ class ElementwiseUnit(Elaboratable):
         self.channels = int(np.prod(op.bn.shape))
         graph = Graph(1, tuple(op.bn.shape))
         self.y = op._forward(graph.leaf(), ProvenTrace(dict(op.ranges().items)))
-        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
-        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
-        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
-        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
-
-    @property
-    def ports(self) -> list[Signal]:
-        return [self.in_valid, self.in_ready, self.in_data, self.out_valid, self.out_ready, self.out_data]
+        self._make_streams(op.in_fmt, op.out_fmt)
 
     def elaborate(self, platform: object) -> Module:
         m = Module()

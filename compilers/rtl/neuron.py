@@ -20,16 +20,16 @@ element per clock.  Ports: see :mod:`compilers.rtl.unit`.
 from __future__ import annotations
 
 import numpy as np
-from amaranth.hdl import Elaboratable, Module, Signal, signed
+from amaranth.hdl import Module, Signal, signed
 from amaranth.lib.memory import Memory
 
-from compilers.rtl.norm import fmt_shape
+from compilers.rtl.stream import StreamUnit
 from compilers.rtl.values import Ctx, Graph, Hdl
 from qnorm import fixedpoint as fp
 from qnorm.ops.spiking import _LIFNeuron
 
 
-class NeuronUnit(Elaboratable):
+class NeuronUnit(StreamUnit):
     """C neurons, time-multiplexed (see the module docstring)."""
 
     latency = 1
@@ -48,16 +48,12 @@ class NeuronUnit(Elaboratable):
         fire = op.fires(pre)
         self.post: Hdl = op.reset(pre, fire)
         self.spike: Hdl = fp.select(fire, 1, 0)
-        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
-        self.in_first = Signal(name="in_first")
-        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
-        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
-        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
+        self._make_streams(op.in_fmt, op.out_fmt)
+        self.in_first = Signal(name="in_first")  # high with a sample's first element
 
     @property
     def ports(self) -> list[Signal]:
-        return [self.in_valid, self.in_ready, self.in_first, self.in_data, self.out_valid, self.out_ready,
-                self.out_data]
+        return [*super().ports, self.in_first]
 
     def elaborate(self, platform: object) -> Module:
         m = Module()

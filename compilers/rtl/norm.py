@@ -46,27 +46,19 @@ from __future__ import annotations
 
 from amaranth.hdl import (
     Array,
-    Elaboratable,
     Module,
-    Shape,
     Signal,
     Value,
     signed,
-    unsigned,
 )
 from amaranth.lib.memory import Memory
 
+from compilers.rtl.stream import StreamUnit, fmt_shape
 from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
-from qnorm.qformat import QFormat
 
 EXTRA_BANKS = 4  # row banks beyond P + 2 that hide the per-row pipeline (enough for N >= 48)
-
-
-def fmt_shape(fmt: QFormat) -> Shape:
-    """The port shape of an integer format."""
-    return signed(fmt.bits) if fmt.signed else unsigned(fmt.bits)
 
 
 def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
@@ -97,7 +89,7 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
     return graph, y
 
 
-class NormUnit(Elaboratable):
+class NormUnit(StreamUnit):
     """One norm instance as a streaming unit (see the module docstring)."""
 
     def __init__(self, op: NormOp) -> None:
@@ -112,14 +104,7 @@ class NormUnit(Elaboratable):
         # out, P·N + D + N + 1 cycles: with P + 2 + ceil((D + 2) / N) banks a row
         # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 2)
         self.banks = self.passes + 2 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
-        self.in_valid, self.in_ready = Signal(name="in_valid"), Signal(name="in_ready")
-        self.in_data = Signal(fmt_shape(op.in_fmt), name="in_data")
-        self.out_valid, self.out_ready = Signal(name="out_valid"), Signal(name="out_ready")
-        self.out_data = Signal(fmt_shape(op.out_fmt), name="out_data")
-
-    @property
-    def ports(self) -> list[Signal]:
-        return [self.in_valid, self.in_ready, self.in_data, self.out_valid, self.out_ready, self.out_data]
+        self._make_streams(op.in_fmt, op.out_fmt)
 
     @property
     def cycles_per_row(self) -> int:

@@ -22,7 +22,6 @@ import numpy as np
 from amaranth.hdl import Elaboratable
 
 from compilers.rtl.fp16 import FP16LayerNorm
-from compilers.rtl.unit import rtl_unit
 from compilers.rtl.synth import (
     FAMILIES,
     PNR_FLAGS,
@@ -30,6 +29,7 @@ from compilers.rtl.synth import (
     synthesize_rtlil,
     to_rtlil,
 )
+from compilers.rtl.unit import rtl_unit
 
 # The integer ops' configurations, as verify cases; "@768" is the case with rows of 768.
 OP_CASES: tuple[str, ...] = (
