@@ -128,6 +128,17 @@ class Kernel:
     time_major: bool = False
     check_shape: Callable[[tuple[int, ...]], None] | None = None  # the op's own shape rules
 
+    @classmethod
+    def rowwise(
+        cls, op: IntOp, schedule: Any, x: te.Tensor, buffers: Sequence[te.Tensor], out: te.Tensor,
+        consts: Sequence[Any], in_dtype: str, out_dtype: str, row_shape: Sequence[int],
+    ) -> Kernel:
+        """The kernel ``out = f(x, *buffers)``, its rows laid out by ``schedule``;
+        ``consts`` (each with ``array()``) fill ``buffers`` at run time."""
+        func = te.create_prim_func([x, *buffers, out])
+        arrays = tuple(c.array() for c in consts)
+        return cls(op, schedule.rowwise(func, "out"), arrays, in_dtype, out_dtype, tuple(row_shape))
+
     def build(self, target: Target) -> CompiledKernel:
         return CompiledKernel(self, build(self.mod, target))
 

@@ -44,12 +44,4 @@ def activation_kernel(op: IntActivation, schedule: Schedule = CPU, row: int = EL
         return y.astype(out_dtype)
 
     out = te.compute((rows, row), element, name="out")
-    func = te.create_prim_func([x, *bufs.values(), out])
-    return Kernel(
-        op,
-        schedule.rowwise(func, "out"),
-        tuple(c.array() for c in consts),
-        in_dtype,
-        out_dtype,
-        (row,),
-    )
+    return Kernel.rowwise(op, schedule, x, list(bufs.values()), out, consts, in_dtype, out_dtype, (row,))

@@ -83,15 +83,7 @@ def multithreshold_kernel(op: MultiThreshold, schedule: Schedule = CPU) -> Kerne
     out = te.compute(
         (rows, c_count), lambda r, c: (count[r, c] + cfg.out_fmt.lo).astype(out_dtype), name="out"
     )
-    func = te.create_prim_func([x, thr_t, neg_t, out])
-    return Kernel(
-        op,
-        schedule.rowwise(func, "out"),
-        (thr.array(), neg.array()),
-        in_dtype,
-        out_dtype,
-        op.bn.shape,
-    )
+    return Kernel.rowwise(op, schedule, x, [thr_t, neg_t], out, (thr, neg), in_dtype, out_dtype, op.bn.shape)
 
 
 def bnquant_kernel(op: BNQuant, schedule: Schedule = CPU) -> Kernel:
@@ -112,15 +104,7 @@ def bnquant_kernel(op: BNQuant, schedule: Schedule = CPU) -> Kernel:
         return fp.saturate(level, cfg.out_fmt.bits, cfg.out_fmt.signed).astype(out_dtype)
 
     out = te.compute((rows, c_count), element, name="out")
-    func = te.create_prim_func([x, slope, offset, den, out])
-    return Kernel(
-        op,
-        schedule.rowwise(func, "out"),
-        tuple(c.array() for c in consts),
-        in_dtype,
-        out_dtype,
-        op.bn.shape,
-    )
+    return Kernel.rowwise(op, schedule, x, [slope, offset, den], out, consts, in_dtype, out_dtype, op.bn.shape)
 
 
 # --------------------------------------------------------------------------- spiking neurons

@@ -154,14 +154,8 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
 
     out = row_staged_compute(rows, n, element, "out")
     check_mirrored_stages(cls.__name__, list(rep.items), list(trace), "norm_kernel")
-    func = te.create_prim_func([x, *bufs.values(), out])
-    return Kernel(
-        op=op,
-        mod=schedule.rowwise(func, "out"),
-        consts=tuple(c.array() for c in consts),
-        in_dtype=fmt_dtype(cfg.in_fmt),
-        out_dtype=fmt_dtype(cfg.out_fmt),
-        row_shape=(n,),
+    return Kernel.rowwise(
+        op, schedule, x, list(bufs.values()), out, consts, fmt_dtype(cfg.in_fmt), fmt_dtype(cfg.out_fmt), (n,)
     )
 
 

@@ -123,12 +123,4 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
 
     out = row_staged_compute(rows, n, element, "out")
     check_mirrored_stages("IntSoftmax", list(rep.items), list(trace), "softmax_kernel")
-    func = te.create_prim_func([x, *tables, out])
-    return Kernel(
-        op=op,
-        mod=schedule.rowwise(func, "out"),
-        consts=tuple(c.array() for c in consts),
-        in_dtype=fmt_dtype(cfg.in_fmt),
-        out_dtype=fmt_dtype(cfg.out_fmt),
-        row_shape=(n,),
-    )
+    return Kernel.rowwise(op, schedule, x, tables, out, consts, fmt_dtype(cfg.in_fmt), fmt_dtype(cfg.out_fmt), (n,))
