@@ -8,22 +8,18 @@ import json
 import re
 import shutil
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from deploy_helpers import briefly_trained, qat_integers
 
 from compilers.tvm import cross
 from compilers.tvm.c_api import FILES, CApiModel
 from compilers.tvm.graph import compile_model, load_compiled
 from qnorm.cli import main
 from qnorm.train.checkpoint import save_checkpoint
-from qnorm.train.data import load_digits_data
-from qnorm.train.loop import seed_everything, train
-from qnorm.train.models import build_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TINY_MIXER = {"dim": 16, "depth": 1, "token_hidden": 8, "channel_hidden": 16}
@@ -42,24 +38,6 @@ def cache(tmp_path_factory):
         path = tmp_path_factory.mktemp("deploy-cache")
         patch.setenv("QNORM_CACHE", str(path))
         yield path
-
-
-def briefly_trained(kind: str, **config):
-    """Two training steps (bit-exactness does not need accuracy), in eval mode; test inputs."""
-    seed_everything(0)
-    model = build_model(kind, **config)
-    data = load_digits_data(model.input_layout, seed=0)
-    x, y = data.train.tensors
-    train(model, replace(data, train=TensorDataset(x[:128], y[:128])), 1, 5e-3, 0, progress=False)
-    return model.eval(), data.test.tensors[0]
-
-
-def qat_integers(model, x: torch.Tensor, scale: float) -> np.ndarray:
-    """The QAT model's outputs as integers of the output grid (exact: a power-of-two scale)."""
-    with torch.no_grad():
-        k = model(x).numpy().astype(np.float64) / scale
-    assert np.array_equal(k, np.rint(k))
-    return k.astype(np.int32)
 
 
 @pytest.fixture(scope="module")

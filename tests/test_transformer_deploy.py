@@ -2,29 +2,17 @@
 LLaMA-style variant (pre-RMSNorm, gated IntSiLU MLP), proven exact and compiled bit for
 bit; the float-softmax transformer is still refused, with its float ops named."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from deploy_helpers import TRANSFORMER_INT_OPS as INT_OPS
+from deploy_helpers import TRANSFORMER_VARIANTS as VARIANTS
+from deploy_helpers import briefly_trained
 
 from qnorm.deploy import NotDeployableError, export, freeze, prove_exact
-from qnorm.train.data import load_digits_data
 from qnorm.train.experiment import _rows
 from qnorm.train.families import FAMILIES
-from qnorm.train.loop import seed_everything, train
 from qnorm.train.models import build_model
-
-# One block keeps the compile short; the block is what the full models repeat.
-VARIANTS = {
-    "gelu": {"norm": "int_ln", "integer": True, "depth": 1},
-    "llama": {"norm": "int_rms", "integer": True, "mlp": "swiglu", "depth": 1},
-}
-INT_OPS = {
-    "gelu": {"IntLayerNorm", "IntSoftmax", "IntGELU"},
-    "llama": {"IntRMSNorm", "IntSoftmax", "IntSiLU"},
-}
 
 
 def layer_classes(report) -> set[str]:
@@ -53,25 +41,8 @@ def compiled(request, cache):
     """A briefly trained variant (bit-exactness does not need accuracy), compiled once."""
     from compilers.tvm.graph import compile_model
 
-    seed_everything(0)
-    model = build_model("transformer", **VARIANTS[request.param])
-    data = load_digits_data(model.input_layout, seed=0)
-    x, y = data.train.tensors
-    train(
-        model,
-        replace(data, train=TensorDataset(x[:128], y[:128])),
-        1,
-        5e-3,
-        0,
-        progress=False,
-    )
-    model.eval()
-    return (
-        request.param,
-        model,
-        data.test.tensors[0],
-        compile_model(model, model.example_input()),
-    )
+    model, x = briefly_trained("transformer", **VARIANTS[request.param])
+    return request.param, model, x, compile_model(model, model.example_input())
 
 
 def test_compiled_transformer_returns_the_qat_integers(compiled):
