@@ -13,16 +13,20 @@
 #      out/gpu_bundle (ignored by git, about 20 MiB).  The harness is compiled once
 #      too, so a harness that does not build fails here.
 #
-#      With a whole model compiled for CUDA (`qnorm compile CKPT --target cuda -o DIR`,
-#      DIR from $QNORM_CUDA_MODEL, default out/deploy/cuda-mixer), the bundle also gets
-#      model/model.plan: the model's launches on 64 digits test samples and the QAT
-#      model's outputs (scripts/cuda_model_plan.py); without one it is left out.
+#      Whole models: every checkpoint `make demo` saved (out/deploy/checkpoints/*: the
+#      mixer, the SNN, the integer transformer, the LLaMA-style model) is compiled for
+#      CUDA into MODELS/NAME (`qnorm compile CKPT --target cuda`: a cache hit when the
+#      model is unchanged), MODELS from $QNORM_CUDA_MODELS, default out/deploy/cuda.
+#      Every compiled model in MODELS (put your own there with `-o MODELS/NAME`) gives
+#      the bundle models/NAME/model.plan: the model's launches on 64 digits test
+#      samples and the QAT model's outputs (scripts/cuda_model_plan.py).  Without any,
+#      the bundle has no whole-model plans and says so.
 #
 #   2. On the GPU host:            scripts/gpu_check.sh run [BUNDLE]
 #      builds compilers/tvm/harness/gpu_harness.cu with nvcc, runs every case on the GPU (the cubin
 #      built in step 1 for the GPU's architecture, else the PTX, JIT-compiled), compares
 #      every output element with the golden output, times the benchmark kernels, and
-#      runs the whole-model plan if the bundle has one (its float32 output bit for bit),
+#      runs every whole-model plan in the bundle (its float32 output bit for bit),
 #      times torch.nn.functional.layer_norm / rms_norm on float16 and float32 rows of
 #      the same shapes if torch with CUDA is installed (else says so).  Needs nvcc,
 #      python3 and a CUDA GPU; takes well under 5 minutes.  Results: gpu_verify.md,
@@ -38,16 +42,29 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 step="${1:-}"
 bundle="${2:-$repo/out/gpu_bundle}"
 
+# The whole-model plans: make demo's checkpoints compiled for CUDA, then one plan per compiled model.
+prepare_models() {
+  local py="$1" models="${QNORM_CUDA_MODELS:-$repo/out/deploy/cuda}" checkpoint model found=0
+  for checkpoint in "$repo"/out/deploy/checkpoints/*/; do
+    [[ -d "$checkpoint" ]] || continue
+    "$py" -m qnorm.cli compile "$checkpoint" --target cuda -o "$models/$(basename "$checkpoint")"
+  done
+  rm -rf "$bundle/models"
+  for model in "$models"/*/; do
+    [[ -f "$model/model.json" ]] || continue
+    "$py" "$repo/scripts/cuda_model_plan.py" "$model" "$bundle/models/$(basename "$model")"
+    found=$((found + 1))
+  done
+  if ((found == 0)); then
+    echo "no CUDA-compiled model in $models (run make demo first): the bundle has no whole-model plan" >&2
+  fi
+}
+
 prepare() {
   local py="$repo/.venv/bin/python"
   [[ -x "$py" ]] || { echo "no $py: run 'make venv' first" >&2; exit 2; }
   "$py" "$repo/scripts/gpu_bundle.py" --out "$bundle"
-  local model="${QNORM_CUDA_MODEL:-$repo/out/deploy/cuda-mixer}"
-  if [[ -f "$model/model.json" ]]; then
-    "$py" "$repo/scripts/cuda_model_plan.py" "$model" "$bundle/model"
-  else
-    echo "no CUDA-compiled model at $model: the bundle has no whole-model plan" >&2
-  fi
+  prepare_models "$py"
   local tmp
   tmp="$(mktemp -d)"
   nvcc -O2 -std=c++17 "$repo/compilers/tvm/harness/gpu_harness.cu" -o "$tmp/gpu_harness"
@@ -70,10 +87,15 @@ run() {
   echo "verify plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
   "$harness" "$bundle"/bench/*.plan >"$out/gpu_bench.log" 2>>"$out/gpu_check.log" || status=$?
   echo "benchmark plans ran (exit $status) by $((SECONDS - start)) s" | tee -a "$out/gpu_check.log"
-  if [[ -f "$bundle/model/model.plan" ]]; then
-    "$harness" "$bundle/model/model.plan" >"$out/gpu_model.log" 2>>"$out/gpu_check.log" || status=$?
-    echo "whole-model plan: $(cat "$out/gpu_model.log") (exit $status)" | tee -a "$out/gpu_check.log"
-  else
+  local plan name ran=0
+  for plan in "$bundle"/models/*/model.plan; do
+    [[ -f "$plan" ]] || continue
+    name="$(basename "$(dirname "$plan")")"
+    "$harness" "$plan" >"$out/gpu_model_$name.log" 2>>"$out/gpu_check.log" || status=$?
+    echo "whole-model plan $name: $(cat "$out/gpu_model_$name.log") (exit $status)" | tee -a "$out/gpu_check.log"
+    ran=$((ran + 1))
+  done
+  if ((ran == 0)); then
     echo "no whole-model plan in $bundle: skipped" | tee -a "$out/gpu_check.log"
   fi
   python3 "$repo/benchmarks/bench_gpu.py" --bundle "$bundle" --verify-log "$out/gpu_verify.log" \
