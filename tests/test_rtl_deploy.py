@@ -9,6 +9,7 @@ quickest of the norms' (an IntLayerNorm unit's takes several times longer)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -136,6 +137,11 @@ def corrupt_one_expected_value(folder: Path, index: int) -> None:
     (folder / "expected.hex").write_text("\n".join(lines))
 
 
+def cycles(stdout: str) -> int:
+    """The cycle count of a testbench's PASS line."""
+    return int(re.search(r"PASS: .* \((\d+) cycles\)", stdout)[1])
+
+
 def run(command: list[str], folder: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300, check=False)
 
@@ -168,6 +174,11 @@ def test_the_testbench_passes_in_icarus_and_fails_on_a_wrong_expected_value(snn,
     count = entry["vectors"]["elements"]
     passed = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
     assert passed.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in passed.stdout
+    stalling = project.icarus_command(module).replace("iverilog ", f"iverilog -P{module}_tb.STALL_EVERY=3 ", 1)
+    assert run(stalling.split(), folder).returncode == 0  # out_ready low one cycle in three: same outputs
+    stalled = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
+    assert stalled.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in stalled.stdout
+    assert cycles(stalled.stdout) > cycles(passed.stdout)
     corrupt_one_expected_value(folder, count - 1)
     failed = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
     assert failed.returncode != 0 and f"FAIL: 1 of {count} outputs differ" in failed.stdout

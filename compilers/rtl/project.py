@@ -225,9 +225,9 @@ def _summary_readme(source: Mapping[str, Any], entries: Sequence[Mapping[str, An
     return f"""# RTL of {source.get('model', {}).get('kind', 'a model')}'s qnorm layers (target {TARGET})
 
 One folder per qnorm layer: the unit's Verilog, a self-checking testbench with golden
-vectors, a yosys script and a README (interface, latency, commands). The rest of the
-model (its linear layers) is not here. `{METADATA}` records each layer's op, its
-integer config and definition version, its ports and timing.
+vectors, a yosys script and a README (interface, latency, commands). The model's other
+layers (linear and convolution layers, quantizers) are not here. `{METADATA}` records
+each layer's op, its integer config and definition version, its ports and timing.
 
 | layer | class | op | Verilog | latency (cycles) | cycles per row |
 |---|---|---|---|---|---|
