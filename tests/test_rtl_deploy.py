@@ -215,9 +215,3 @@ def test_float_norms_are_refused_as_float_layers() -> None:
     model = build_model("transformer", norm="float", depth=1)
     with pytest.raises(DeployError, match=r"blocks\.0\.norm1 \(LayerNorm: a float layer\).*norm \(LayerNorm"):
         model_layers(model)
-
-
-def test_skip_unsupported_is_for_fpga_rtl_only(transformer, tmp_path, capsys) -> None:
-    args = ["compile", str(transformer), "--target", "fpga-hls", "--skip-unsupported", "-o", str(tmp_path / "o")]
-    assert main(args) == 2
-    assert "--skip-unsupported leaves layers out of the fpga-rtl RTL, not of fpga-hls" in capsys.readouterr().err
