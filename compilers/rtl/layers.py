@@ -104,6 +104,8 @@ def model_layers(model: nn.Module, skip_unsupported: bool = False) -> tuple[list
             continue
         meta = registered_layer(call.key).qnorm_metadata()
         layers.append(ModelLayer(info.name, type(module).__name__, info.op, meta, calibrated_codes(module, info.op)))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    unsupported.sort(key=lambda u: order[u.name])  # float and integer layers, in model order
     if unsupported and not skip_unsupported:
         raise DeployError(
             f"{len(unsupported)} layer(s) have no RTL unit: {'; '.join(u.describe() for u in unsupported)} "
