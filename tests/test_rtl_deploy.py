@@ -102,6 +102,8 @@ def test_every_qnorm_layer_gets_a_folder_whose_vectors_are_the_golden_ops(reques
         assert f"synth_xilinx -family xc7 -flatten -top {module}" in (folder / "synth.ys").read_text()
         readme = (folder / "README.md").read_text()
         assert f"| latency (first input to first output, cycles) | {entry['latency']} |" in readme
+        per = f"row of {entry['row_length']}" if entry["row_length"] > 1 else "element"
+        assert f"| cycles per {per} | {entry['cycles_per_row']} |" in readme
         # input.hex decoded and run through the golden op is expected.hex, in stream order
         ports = entry["ports"]
         words = read_hex(folder / "input.hex", ports["input_word_bits"], signed=False)

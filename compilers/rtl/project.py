@@ -96,6 +96,11 @@ def icarus_command(module: str) -> str:
     return f"iverilog -g2005 -o {module}_tb.vvp {module}_tb.v {module}.v"
 
 
+def _per(unit: RtlUnit) -> str:
+    """What ``cycles_per_row`` counts: a row of N for a norm, an element otherwise."""
+    return f"row of {unit.row_length}" if unit.row_length > 1 else "element"
+
+
 def _fmt(bits: int, signed: bool) -> str:
     return f"{'signed' if signed else 'unsigned'} {bits}-bit"
 
@@ -140,7 +145,7 @@ Stream order: {stream}.
 | | |
 |---|---|
 | latency (first input to first output, cycles) | {unit.latency} |
-| cycles per row{'' if unit.row_length > 1 else ' (per element)'} | {unit.cycles_per_row} |
+| cycles per {_per(unit)} | {unit.cycles_per_row} |
 | elements per cycle (steady state, out_ready high) | {unit.elements_per_cycle:.3g} |
 
 ## Files
@@ -214,7 +219,7 @@ def write_layer(layer: RtlLayer, out_dir: Path) -> dict[str, Any]:
 def _summary_readme(source: Mapping[str, Any], entries: Sequence[Mapping[str, Any]], skipped: Sequence[Unsupported]) -> str:
     rows = "\n".join(
         f"| `{e['name']}` | {e['class']} | {e['op']} | `{e['directory']}/{e['module']}.v` | {e['latency']} | "
-        f"{e['cycles_per_row']} |"
+        f"{e['cycles_per_row']} per {'row of ' + str(e['row_length']) if e['row_length'] > 1 else 'element'} |"
         for e in entries
     )
     left_out = "".join(f"\n- `{u.name}` ({u.layer_class}): {u.reason}" for u in skipped)
@@ -229,7 +234,7 @@ vectors, a yosys script and a README (interface, latency, commands). The model's
 layers (linear and convolution layers, quantizers) are not here. `{METADATA}` records
 each layer's op, its integer config and definition version, its ports and timing.
 
-| layer | class | op | Verilog | latency (cycles) | cycles per row |
+| layer | class | op | Verilog | latency (cycles) | cycles |
 |---|---|---|---|---|---|
 {rows}{skipped_text}
 
