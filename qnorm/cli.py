@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from qnorm.verify.harness import CaseReport, Report
 
 HLS_TARGET = "fpga-hls"
+RTL_TARGET = "fpga-rtl"
 
 
 class _ArgumentError(UsageError):
@@ -139,10 +140,14 @@ def _compile(args: argparse.Namespace) -> int:
     target = compile_target_name(args.target)
     if args.c_api and target not in C_API_TARGETS:
         raise UsageError(f"--c-api builds the C API for {', '.join(C_API_TARGETS)}, not {target}")
+    if args.skip_unsupported and target != RTL_TARGET:
+        raise UsageError(f"--skip-unsupported leaves layers out of the {RTL_TARGET} RTL, not of {target}")
     read_metadata(checkpoint_dir(args.checkpoint))  # a missing or corrupt checkpoint fails before the imports
     _import_models(args.imports)
     if target == HLS_TARGET:
         return _compile_hls(args)
+    if target == RTL_TARGET:
+        return _compile_rtl(args)
     from qnorm.train.compiled import compile_checkpoint
 
     compiled, source = compile_checkpoint(args.checkpoint, target, args.c_api)
@@ -214,6 +219,28 @@ def _compile_hls(args: argparse.Namespace) -> int:
     print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
     for name, path in projects.items():
         print(f"  {name}: {ops[name].name} -> {path} (vitis_hls -f {path / 'run_hls.tcl'})")
+    return 0
+
+
+def _compile_rtl(args: argparse.Namespace) -> int:
+    """One RTL folder per qnorm layer of the checkpoint: Verilog, testbench, yosys script, README."""
+    from compilers.rtl.layers import rtl_layers
+    from compilers.rtl.project import METADATA, write_rtl_projects
+    from qnorm.targets import load_target
+    from qnorm.train.checkpoint import load_checkpoint
+
+    model, meta = load_checkpoint(args.checkpoint)
+    layers, skipped = rtl_layers(model, load_target(RTL_TARGET), args.skip_unsupported)
+    source = {"checkpoint": str(args.checkpoint), "model": meta["model"], "weights_sha256": meta["weights"]["sha256"]}
+    folders = write_rtl_projects(layers, args.out, source, skipped)
+    print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
+    for layer in layers:
+        unit = layer.unit
+        print(f"  {layer.name}: {layer.layer_class} ({unit.op.name}) -> {folders[layer.name]} "
+              f"(latency {unit.latency}, {unit.cycles_per_row} cycles per {'row' if unit.row_length > 1 else 'element'})")  # fmt: skip
+    for left_out in skipped:
+        print(f"  {left_out.name}: {left_out.layer_class} left out ({left_out.reason})")
+    print(f"  wrote {args.out / METADATA}")
     return 0
 
 
@@ -339,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument(
         "--target", default="x86_64", help="target name: x86_64 (default, the host CPU; x86 works too) compiles the whole model into one "
         "library; aarch64 and riscv64 into a C library and runner for a board; opencl into an OpenCL program and "
-        "launch plan; cuda into CUDA source, PTX and cubins; fpga-hls writes one HLS project per qnorm layer"
+        "launch plan; cuda into CUDA source, PTX and cubins; fpga-hls writes one HLS project per qnorm layer; "
+        "fpga-rtl one folder per qnorm layer (Verilog, self-checking testbench with golden vectors, yosys script)"
     )  # fmt: skip
     compile_.add_argument(
         "-o", "--out", metavar="DIR", type=output_dir, required=True,
@@ -349,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--c-api", action="store_true",
         help="x86_64: build the C API (libqnorm_model.a, qnorm_model.h, qnorm_run) instead of model.so; "
              "aarch64 and riscv64 always get it",
+    )  # fmt: skip
+    compile_.add_argument(
+        "--skip-unsupported", action="store_true",
+        help="fpga-rtl: leave out the layers that have no RTL unit (IntSoftmax, IntGELU, IntSiLU, float norms), "
+             "listed in rtl.json, instead of refusing the model",
     )  # fmt: skip
     _add_import_argument(compile_)
     compile_.set_defaults(func=_compile)

@@ -42,6 +42,7 @@ COMPILE_TARGETS = {
     "opencl": "the whole model as one OpenCL program and launch plan",
     "cuda": "the whole model as CUDA source, PTX and cubins and a launch plan (run by scripts/gpu_check.sh)",
     "fpga-hls": "one HLS project per qnorm layer",
+    "fpga-rtl": "one RTL unit per qnorm layer: Verilog, a self-checking testbench, a yosys script",
 }
 
 # Where `qnorm compile` builds the C API (a static library, header and runner): always

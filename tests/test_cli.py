@@ -62,6 +62,8 @@ BAD_ARGS = [
     (["compile", "{corrupt}", "--target", "vax", "-o", "{out}"], 2, "qnorm compile: error: unknown target 'vax'"),
     (["compile", "{corrupt}", "--target", "opencl", "--c-api", "-o", "{out}"], 2,
      "qnorm compile: error: --c-api builds the C API for x86_64, aarch64, riscv64, not opencl"),
+    (["compile", "{corrupt}", "--target", "fpga-hls", "--skip-unsupported", "-o", "{out}"], 2,
+     "qnorm compile: error: --skip-unsupported leaves layers out of the fpga-rtl RTL, not of fpga-hls"),
     (["compile", "{corrupt}", "-o", "{file}"], 2,
      "qnorm compile: error: argument -o/--out: {file} exists and is not a directory"),
     (["golden", "--case", "nope"], 2, "qnorm golden: error: no case matches 'nope'"),

@@ -82,6 +82,7 @@ def test_hint_only_for_optional_modules_that_are_really_missing() -> None:
         ("tqdm", ["train", "--quick", "--out", "{tmp}/train"], "train"),
         ("tvm", ["compile", "{tmp}/ckpt", "-o", "{tmp}/out"], "tvm"),
         ("tvm", ["compile", "{tmp}/ckpt", "--target", "fpga-hls", "-o", "{tmp}/out"], "tvm"),
+        ("amaranth", ["compile", "{tmp}/ckpt", "--target", "fpga-rtl", "-o", "{tmp}/out"], "fpga"),
     ],
 )
 def test_the_command_names_the_extra_of_a_missing_module(tmp_path, blocked, argv, extra) -> None:

@@ -11,9 +11,9 @@ pytest.importorskip("amaranth")
 
 from compilers.rtl import rtl_unit
 from compilers.rtl.sim import simulate
+from compilers.rtl.stream import stream_order
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.qformat import QFormat
-from qnorm.verify.backend_rtl import stream_order
 from qnorm.verify.cases import case_named
 from qnorm.verify.vectors import edge_vectors, random_inputs
 

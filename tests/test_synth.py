@@ -29,8 +29,8 @@ UINT = {np.float16: np.uint16, np.float32: np.uint32}
 
 
 class SquareSum(wiring.Component):
-    """A tiny unit of the units' interface: int8 in, the running sum of squares out,
-    one element per clock with valid/ready back-pressure."""
+    """A tiny streaming component (amaranth.lib.stream ports): int8 in, the running sum of
+    squares out, one element per clock with valid/ready back-pressure."""
 
     def __init__(self) -> None:
         # Explicit: with postponed annotations Amaranth cannot read member annotations.
@@ -194,24 +194,25 @@ def test_float_conversions_widen_exactly_and_narrow_to_nearest_even() -> None:
 
 
 def run_layernorm(unit: FP16LayerNorm, rows: np.ndarray, stall_every: int = 0) -> tuple[np.ndarray, list[int]]:
-    """Stream ``rows`` through the unit in the simulator; its outputs and the clock of each
-    accepted output.  ``stall_every``: drop ``o.ready`` one clock in that many."""
+    """Stream ``rows`` through the unit's plain stream signals in the simulator; its outputs
+    and the clock of each accepted output.  ``stall_every``: drop ``out_ready`` one clock in
+    that many."""
     outputs: list[int] = []
     clocks: list[int] = []
 
     async def source(ctx) -> None:
         for value in rows.astype(np.float16).view(np.uint16).ravel():
-            ctx.set(unit.i.payload, int(value))
-            ctx.set(unit.i.valid, 1)
-            await ctx.tick().until(unit.i.ready)
-        ctx.set(unit.i.valid, 0)
+            ctx.set(unit.in_data, int(value))
+            ctx.set(unit.in_valid, 1)
+            await ctx.tick().until(unit.in_ready)
+        ctx.set(unit.in_valid, 0)
 
     async def sink(ctx) -> None:
         clock = 0
         while len(outputs) < rows.size:
             ready = not (stall_every and clock % stall_every == 0)
-            ctx.set(unit.o.ready, ready)
-            _, _, valid, taken, payload = await ctx.tick().sample(unit.o.valid, unit.o.ready, unit.o.payload)
+            ctx.set(unit.out_ready, ready)
+            _, _, valid, taken, payload = await ctx.tick().sample(unit.out_valid, unit.out_ready, unit.out_data)
             clock += 1
             if valid and taken:
                 outputs.append(payload)

@@ -1,8 +1,9 @@
 """An FP16 LayerNorm unit: the floating-point reference the integer norms' resources are
 compared with (issue 12, P5: "L1 vs FP16" measured on our own units, not quoted).
 
-Interface, as the integer units: a stream of fp16 elements in (``i``: payload, valid,
-ready), rows of ``n`` elements back to back, a stream of fp16 results out (``o``).
+Interface: the integer units' plain stream signals (:class:`~compilers.rtl.stream.StreamUnit`),
+``in_valid``/``in_ready``/``in_data`` and ``out_valid``/``out_ready``/``out_data``, the data
+16-bit fp16 words: rows of ``n`` elements in back to back, the fp16 results out.
 
 Arithmetic (:mod:`compilers.rtl.fparith`: IEEE round to nearest even, subnormals
 flushed to zero, no infinities or NaNs):
@@ -39,13 +40,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from amaranth import Array, Cat, Const, Module, Mux, Signal, signed
-from amaranth.lib import memory, stream, wiring
-from amaranth.lib.wiring import In, Out
+from amaranth import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import memory
 
 from compilers.rtl.fparith import FP16, FP32, FloatAdd, FloatConvert, FloatMul
+from compilers.rtl.stream import StreamUnit
 
-OUT_STAGES = 4  # registers from the row buffer's read to o: x − μ, ·r, ·γ, +β
+OUT_STAGES = 4  # registers from the row buffer's read to out_data: x − μ, ·r, ·γ, +β
 SEED_BITS = 6  # mantissa bits indexing the 1/sqrt seed table
 NEWTON_STEPS = 2  # 2^-8 → ~2^-15 → fp32 rounding
 UNIT_ROUNDOFF = 2.0**-11  # fp16
@@ -95,7 +96,7 @@ def rsqrt_seed_table() -> list[int]:
     return table
 
 
-class FP16LayerNorm(wiring.Component):
+class FP16LayerNorm(StreamUnit):
     """LayerNorm over rows of ``n`` fp16 elements, per-channel fp16 ``gamma``, ``beta``."""
 
     def __init__(self, n: int, gamma: np.ndarray, beta: np.ndarray, eps: float = 1e-5) -> None:
@@ -107,12 +108,12 @@ class FP16LayerNorm(wiring.Component):
         if not (np.isfinite(gamma).all() and np.isfinite(beta).all()):
             raise ValueError("gamma and beta must be finite")
         self.n, self.gamma, self.beta, self.eps = n, gamma, beta, eps
-        super().__init__({"i": In(stream.Signature(16)), "o": Out(stream.Signature(16))})
+        self._make_stream_ports(unsigned(16), unsigned(16))  # fp16 bit patterns
 
     @property
     def cycles_per_row(self) -> int:
         """Clocks from one row's first result out to the next row's, rows arriving back to
-        back and ``o.ready`` held high: n to load and one to sum the last element, the
+        back and ``out_ready`` held high: n to load and one to sum the last element, the
         per-row program, n + 1 + :data:`OUT_STAGES` to emit (one clock to read the row
         buffer, then the output pipeline)."""
         return 2 * self.n + len(PROGRAM) + 2 + OUT_STAGES
@@ -162,16 +163,16 @@ class FP16LayerNorm(wiring.Component):
         """Accept one element per clock: into the row buffer, widened and squared into
         the load's pipeline register."""
         m.d.comb += [
-            self.i.ready.eq(1),
+            self.in_ready.eq(1),
             write.addr.eq(index),
-            write.data.eq(self.i.payload),
-            write.en.eq(self.i.valid),
-            widen.a.eq(self.i.payload),
+            write.data.eq(self.in_data),
+            write.en.eq(self.in_valid),
+            widen.a.eq(self.in_data),
             mul.a.eq(widen.o),
             mul.b.eq(widen.o),
         ]
-        m.d.sync += [loaded["x"].eq(widen.o), loaded["x2"].eq(mul.o), loaded["valid"].eq(self.i.valid)]
-        with m.If(self.i.valid):
+        m.d.sync += [loaded["x"].eq(widen.o), loaded["x2"].eq(mul.o), loaded["valid"].eq(self.in_valid)]
+        with m.If(self.in_valid):
             m.d.sync += index.eq(index + 1)
             with m.If(index == self.n - 1):
                 m.next = "DRAIN"
@@ -215,8 +216,8 @@ class FP16LayerNorm(wiring.Component):
         return seed
 
     def _emit(self, m: Module, reads, widen, mul, add, narrow, mul16, add16, regs: dict, index: Signal) -> None:
-        """Emit one element per clock that ``o`` accepts, through a pipeline of
-        :data:`OUT_STAGES` registers that all advance when ``o`` can take a result.
+        """Emit one element per clock that the output accepts, through a pipeline of
+        :data:`OUT_STAGES` registers that all advance when the output can take a result.
 
         The row buffer and the γ, β ROMs are read one clock ahead; ``pending`` says the
         read ports hold the next element's data.  ``index`` counts the reads issued."""
@@ -226,7 +227,7 @@ class FP16LayerNorm(wiring.Component):
         centred = {"d": Signal(32), "gamma": Signal(16), "beta": Signal(16), "valid": Signal()}
         scaled = {"z": Signal(32), "gamma": Signal(16), "beta": Signal(16), "valid": Signal()}
         weighted = {"p": Signal(16), "beta": Signal(16), "valid": Signal()}
-        advance = ~self.o.valid | self.o.ready
+        advance = ~self.out_valid | self.out_ready
         m.d.comb += [
             *(r.addr.eq(index) for r in reads),
             *(r.en.eq(advance) for r in reads),
@@ -242,12 +243,12 @@ class FP16LayerNorm(wiring.Component):
             add16.a.eq(weighted["p"]),
             add16.b.eq(weighted["beta"]),
         ]
-        last_taken = self.o.valid & self.o.ready & (emitted == self.n - 1)
-        with m.If(self.o.valid & self.o.ready):
+        last_taken = self.out_valid & self.out_ready & (emitted == self.n - 1)
+        with m.If(self.out_valid & self.out_ready):
             m.d.sync += emitted.eq(emitted + 1)
         with m.If(last_taken):  # the row's last element is taken; the pipeline is empty
             m.d.sync += [emitted.eq(0), pending.eq(0), index.eq(0), regs["S"].eq(0), regs["Q"].eq(0)]
-            m.d.sync += self.o.valid.eq(0)
+            m.d.sync += self.out_valid.eq(0)
             m.next = "LOAD"
         with m.Elif(advance):
             m.d.sync += [
@@ -262,8 +263,8 @@ class FP16LayerNorm(wiring.Component):
                 weighted["p"].eq(mul16.o),
                 weighted["beta"].eq(scaled["beta"]),
                 weighted["valid"].eq(scaled["valid"]),
-                self.o.payload.eq(add16.o),
-                self.o.valid.eq(weighted["valid"]),
+                self.out_data.eq(add16.o),
+                self.out_valid.eq(weighted["valid"]),
                 pending.eq(index < self.n),
             ]
             with m.If(index < self.n):

@@ -82,7 +82,9 @@ def fp16_units(row_lengths: Iterable[int]) -> list[ReportUnit]:
     for n in row_lengths:
         rng = np.random.default_rng(n)
         unit = FP16LayerNorm(n, rng.uniform(0.5, 2.0, n), rng.normal(0.0, 0.2, n))
-        units.append(ReportUnit(FP16_OP, f"n{n}", unit, unit.cycles_per_row, n / unit.cycles_per_row))
+        units.append(
+            ReportUnit(FP16_OP, f"n{n}", unit, unit.cycles_per_row, n / unit.cycles_per_row, tuple(unit.ports))
+        )
     return units
 
 

@@ -82,3 +82,8 @@ def rtl_unit(op: IntOp) -> RtlUnit:
 
 def _ports(op: IntOp) -> tuple[int, bool, int, bool]:
     return op.in_fmt.bits, op.in_fmt.signed, op.out_fmt.bits, op.out_fmt.signed
+
+
+def has_rtl_unit(op: IntOp) -> bool:
+    """Whether :func:`rtl_unit` has a unit for ``op``'s family (without building it)."""
+    return isinstance(op, (NormOp, MultiThreshold, BNQuant, _LIFNeuron))

