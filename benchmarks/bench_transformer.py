@@ -106,7 +106,7 @@ class ModelResult:
 
     name: str
     latency: dict[int, dict[str, Timing]]  # batch -> way (of WAYS) -> per-call time
-    errors: dict[str, str]  # way -> why it has no time (torch.compile failing)
+    errors: dict[str, tuple[int, str]]  # way -> the batch it failed at and why (torch.compile failing)
     breakdown: dict[int, Breakdown]  # batch -> where the compiled model's time goes
 
 
@@ -233,7 +233,7 @@ def measure(
     interleaved set per batch, then break each compiled model's time down."""
     use_threads(1)
     clock = time.thread_time  # one thread: the calling thread's CPU time
-    errors: dict[str, dict[str, str]] = {s.name: {} for s in subjects}
+    errors: dict[str, dict[str, tuple[int, str]]] = {s.name: {} for s in subjects}
     measured: dict[int, dict[str, Timing]] = {}
     with torch.no_grad():
         for batch, x in inputs.items():
@@ -250,7 +250,7 @@ def measure(
                 try:
                     s.torch_compiled(x)  # compiles for this shape
                 except Exception as err:  # noqa: BLE001 (any failure of torch.compile is a result to report)
-                    errors[s.name][TORCH_COMPILE] = error_text(err)
+                    errors[s.name][TORCH_COMPILE] = (batch, error_text(err))
                     continue
                 sides[_key(s.name, TORCH_COMPILE)] = lambda t=s.torch_compiled, x=x: t(x)
             measured[batch] = interleaved(sides, rounds, min_loop_s, clock)
@@ -284,7 +284,8 @@ def latency_rows(result: ModelResult, batches: list[int]) -> list[str]:
             if way in times:
                 cells += [_time(times[way].median_s / b), f"{ratio(times[way], times[COMPILED]):.2f}×"]
             else:
-                cells += [_cell(f"failed: {result.errors[way]}"), "—"]
+                failed_at, why = result.errors[way]
+                cells += [_cell(f"failed: {why}" if failed_at == b else f"not run (failed at batch {failed_at})"), "—"]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 

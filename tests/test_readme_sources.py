@@ -179,7 +179,7 @@ def fake_bench() -> str:
         "kernels": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64")),
         "qat": bench_qat.qat_markdown({k: Timing(k, (1e-3,)) for k in bench_qat.KINDS}),
         "compile": bench_compile.compile_markdown(
-            [bench_compile.CompileTiming(name, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
+            [bench_compile.CompileTiming(name, 1.0, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
         "transformer": fake_transformer_latency(bench_transformer),
     }
     assert list(sections) == list(runner.SECTIONS), "a benchmark section has no fake here: add one"
