@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "kernels": "benchmarks.bench_kernels",  # P1, P2
     "qat": "benchmarks.bench_qat",
     "compile": "benchmarks.bench_compile",  # P4
+    "transformer": "benchmarks.bench_transformer",  # latency vs torch, per-op share
 }
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = "out/bench.md"  # `make bench` writes here; README.md quotes its tables

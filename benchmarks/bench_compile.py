@@ -4,9 +4,12 @@ Cold is one ``compile_model`` into an empty ``$QNORM_CACHE``: freeze, torch.expo
 the exactness proof, Relax import with the qnorm kernels, ``tvm.compile`` and the
 link.  Cached is the median of repeated compiles of the same model, which the
 model key finds in the cache (read one JSON file, check the index's and the
-library's SHA-256, load the library).  Goals: cold <= 30 s, cached <= 1 s.  The
-models are the demo's, untrained (compile time does not depend on the weights),
-calibrated on a batch of digits.
+library's SHA-256, load the library).  Goals: cold <= 30 s, cached <= 1 s (wall
+time).  Beside the cold wall time stands its CPU time (this process's threads and
+the compiler processes it waited for): on a shared machine the wall time also
+holds the waits for a core, which the CPU time leaves out.  The models are the
+demo's, untrained (compile time does not depend on the weights), calibrated on a
+batch of digits.
 """
 
 from __future__ import annotations
@@ -60,8 +63,16 @@ class CompileTiming:
     """One demo model's compile times."""
 
     name: str
-    cold_s: float  # into an empty cache
+    cold_s: float  # into an empty cache, wall time
+    cold_cpu_s: float  # the same compile's CPU time, this process and its waited-for children
     cached_s: float  # median of the recompiles, each a cache hit
+
+
+def cpu_seconds() -> float:
+    """CPU time so far of this process's threads and of the child processes it has waited for
+    (the compiler and linker TVM runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def measure(repeats: int) -> list[CompileTiming]:
@@ -74,9 +85,9 @@ def measure(repeats: int) -> list[CompileTiming]:
     for name, (kind, config) in DEPLOY_MODELS.items():
         model = calibrated(kind, config)
         with fresh_cache():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu_seconds()
             first = compile_model(model, model.example_input())
-            cold = time.perf_counter() - start
+            cold, cold_cpu = time.perf_counter() - start, cpu_seconds() - start_cpu
             if first.cache_hit:
                 raise RuntimeError(f"{name}: the first compile into an empty cache was a hit")
             cached = []
@@ -86,7 +97,7 @@ def measure(repeats: int) -> list[CompileTiming]:
                 cached.append(time.perf_counter() - start)
                 if not again.cache_hit:
                     raise RuntimeError(f"{name}: a recompile of the same model missed the cache")
-        timings.append(CompileTiming(name, cold, statistics.median(cached)))
+        timings.append(CompileTiming(name, cold, cold_cpu, statistics.median(cached)))
     return timings
 
 
@@ -101,13 +112,16 @@ def compile_markdown(timings: list[CompileTiming], repeats: int) -> str:
     lines = [
         "## P4: compile time of the demo models (`qnorm compile`)",
         "",
-        f"Cold: first compile into an empty cache; cached: median of {repeats} recompiles.",
+        (f"Cold: first compile into an empty cache (wall time, and the CPU time of this process and the "
+         f"compiler processes it ran); cached: median of {repeats} recompiles (wall time). The goals are on "
+         "wall time, which on a shared machine also holds the waits for a core."),
         "",
-        (f"| model | cold (empty cache) | cached (median of {repeats}) "
+        (f"| model | cold (empty cache) | cold, CPU time | cached (median of {repeats}) "
          f"| goals ≤ {COLD_GOAL_S:g} s / ≤ {CACHED_GOAL_S:g} s |"),
-        "|---|---:|---:|---|",
+        "|---|---:|---:|---:|---|",
     ]
-    lines += [f"| {t.name} | {t.cold_s:.1f} s | {1e3 * t.cached_s:.0f} ms | {_goals(t)} |" for t in timings]
+    lines += [f"| {t.name} | {t.cold_s:.1f} s | {t.cold_cpu_s:.1f} s | {1e3 * t.cached_s:.0f} ms | {_goals(t)} |"
+              for t in timings]
     return "\n".join(lines)
 
 

@@ -153,10 +153,22 @@ def fake_deploy() -> str:
     return deploy_markdown([row], quick=False)
 
 
+def fake_transformer_latency(bt) -> str:
+    """The transformer section for made-up times: each model at batch 1 and at the whole test set."""
+    from benchmarks._timing import Timing
+    from qnorm.train.data import load_digits_data
+
+    test_samples = len(load_digits_data("tokens", seed=0).test)
+    shares = bt.Breakdown(dict.fromkeys(bt.GROUPS, 1e-4), dict.fromkeys(bt.GROUPS[:-2], 1))
+    results = [bt.ModelResult(name, {b: {w: Timing(w, (1e-3,)) for w in bt.WAYS} for b in (1, test_samples)}, {},
+                              {1: shares, test_samples: shares}) for name in bt.MODELS]  # fmt: skip
+    return bt.transformer_markdown(results, 1, 0.0, test_samples)
+
+
 def fake_bench() -> str:
     pytest.importorskip("tvm")  # the kernel section's writer imports it
     from benchmarks import __main__ as runner
-    from benchmarks import bench_compile, bench_kernels, bench_qat
+    from benchmarks import bench_compile, bench_kernels, bench_qat, bench_transformer
     from benchmarks._timing import Timing
     from qnorm.targets import load_target
 
@@ -167,7 +179,8 @@ def fake_bench() -> str:
         "kernels": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64")),
         "qat": bench_qat.qat_markdown({k: Timing(k, (1e-3,)) for k in bench_qat.KINDS}),
         "compile": bench_compile.compile_markdown(
-            [bench_compile.CompileTiming(name, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
+            [bench_compile.CompileTiming(name, 1.0, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
+        "transformer": fake_transformer_latency(bench_transformer),
     }
     assert list(sections) == list(runner.SECTIONS), "a benchmark section has no fake here: add one"
     return runner.report(list(sections.values()))

@@ -149,10 +149,17 @@ def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) ->
     )
 
 
+def kernel_symbol(op_name: str) -> str:
+    """The symbol of the kernel a qnorm op named ``op_name`` (its module path) compiles to;
+    its quantizer and dequantizer are this symbol with ``_quantize`` / ``_dequantize``.
+    Profiles of a compiled model map the steps they time back to ops by it."""
+    return "qnorm_" + "".join(c if c.isalnum() else "_" for c in op_name)
+
+
 def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> relax.Expr:
     info = int_op_info(node.args[1])
     bb = importer.block_builder
-    name = "qnorm_" + "".join(c if c.isalnum() else "_" for c in info.name)
+    name = kernel_symbol(info.name)
     x = importer.env[node.args[0]]
     ndim = len(x.ty.shape)
     channel = info.channel_dim % ndim
