@@ -48,26 +48,29 @@ def device_name() -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class _Context:
+class PoclContext:
+    """The PoCL context and command queue every OpenCL run of this process shares."""
+
     context: Any
     queue: Any
 
 
 @functools.cache
-def _context() -> _Context:
+def pocl_context() -> PoclContext:
+    """The shared context on the PoCL device (created once per process)."""
     import pyopencl as cl
 
     ctx = cl.Context([opencl_device(opencl_target())])
-    return _Context(ctx, cl.CommandQueue(ctx))
+    return PoclContext(ctx, cl.CommandQueue(ctx))
 
 
 @functools.cache
-def _program(source: str) -> Any:
+def built_program(source: str) -> Any:
     """The built program of ``source``, once per process (PoCL also caches binaries on disk)."""
     import pyopencl as cl
 
     try:
-        return cl.Program(_context().context, source).build()
+        return cl.Program(pocl_context().context, source).build()
     except cl.RuntimeError as err:
         raise RuntimeError(f"PoCL could not build the TVM OpenCL source: {err}") from None
 
@@ -104,11 +107,11 @@ def run(device: DeviceModule, arrays: dict[str, np.ndarray], out: str) -> np.nda
     """Launch every kernel of ``device`` on PoCL; returns the ``out`` buffer's contents."""
     import pyopencl as cl
 
-    ctx = _context()
+    ctx = pocl_context()
     launches = device.launches({n: a.shape for n, a in arrays.items()})
     if any(0 in lc.grid for lc in launches):  # no rows: nothing to launch
         return arrays[out]
-    program = _program(device.source)
+    program = built_program(device.source)
     flags = cl.mem_flags
     bufs = {
         n: cl.Buffer(

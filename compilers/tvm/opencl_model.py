@@ -76,7 +76,7 @@ class OpenCLModel(BuiltModel):
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
         import pyopencl as cl
 
-        from compilers.tvm.opencl import _context, _program, unavailable
+        from compilers.tvm.opencl import built_program, pocl_context, unavailable
 
         reason = unavailable()
         if reason is not None:
@@ -84,8 +84,8 @@ class OpenCLModel(BuiltModel):
         k = check_input_integers(self.metadata, k)
         plan = json.loads((self.directory / PLAN).read_text())
         constants = (self.directory / CONSTANTS).read_bytes()
-        ctx = _context()
-        program = _program((self.directory / SOURCE).read_text())
+        ctx = pocl_context()
+        program = built_program((self.directory / SOURCE).read_text())
         buffers = [_device_buffer(cl, ctx.context, b, constants) for b in plan["buffers"]]
         kernels = {name: cl.Kernel(program, name) for name in {launch["kernel"] for launch in plan["launches"]}}
         x_spec, y_spec = plan["buffers"][plan["input"]], plan["buffers"][plan["output"]]
