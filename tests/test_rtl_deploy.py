@@ -8,6 +8,7 @@ quickest of the norms' (an IntLayerNorm unit's takes several times longer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -23,8 +24,8 @@ from torch.utils.data import TensorDataset
 
 pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip install -e '.[fpga]')")
 
-from compilers.rtl import project, testbench
-from compilers.rtl.layers import model_layers
+from compilers.rtl import project, rtl_unit, testbench
+from compilers.rtl.layers import RtlLayer, model_layers
 from compilers.rtl.stream import stream_order
 from qnorm.cli import main
 from qnorm.deploy import integer_ops
@@ -199,18 +200,34 @@ def test_layers_without_an_rtl_unit_refuse_the_model_naming_each(transformer, tm
     out = tmp_path / "out"
     assert main(["compile", str(transformer), "--target", "fpga-rtl", "-o", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "qnorm compile: error: 2 layer(s) have no RTL unit: " in err
+    assert "qnorm compile: error: 1 layer(s) have no RTL unit: " in err
     assert "blocks.0.attn.softmax (IntSoftmax: no RTL unit for IntSoftmax)" in err
-    assert "blocks.0.mlp.act (IntGELU: no RTL unit for IntGELU)" in err
+    assert "IntGELU" not in err  # the MLP's activation has a unit
     assert "--skip-unsupported" in err and not out.exists()
 
 
 def test_skip_unsupported_leaves_them_out_and_lists_them(transformer) -> None:
     model, _ = load_checkpoint(transformer)
     layers, skipped = model_layers(model, skip_unsupported=True)
-    assert [layer.name for layer in layers] == ["blocks.0.norm1", "blocks.0.norm2", "norm"]
-    assert [(s.name, s.layer_class) for s in skipped] == [("blocks.0.attn.softmax", "IntSoftmax"),
-                                                          ("blocks.0.mlp.act", "IntGELU")]  # fmt: skip
+    assert [layer.name for layer in layers] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.0.mlp.act", "norm"]
+    assert [(s.name, s.layer_class) for s in skipped] == [("blocks.0.attn.softmax", "IntSoftmax")]
+
+
+def test_the_transformers_gelu_layer_deploys_and_its_testbench_passes_in_verilator(transformer, cache,
+                                                                                 tmp_path) -> None:  # fmt: skip
+    if shutil.which("g++") is None or shutil.which("make") is None:
+        pytest.skip("Verilator builds with g++ and make, which are not on PATH")
+    model, _ = load_checkpoint(transformer)
+    layers, _ = model_layers(model, skip_unsupported=True)
+    act = next(layer for layer in layers if layer.name == "blocks.0.mlp.act")
+    assert act.op.name == "int_gelu"
+    fields = {f.name: getattr(act, f.name) for f in dataclasses.fields(act)}
+    folder, unit = tmp_path / "act", rtl_unit(act.op)
+    entry = project.write_layer(RtlLayer(**fields, unit=unit), folder)
+    assert entry["latency"] == unit.latency and entry["row_length"] == 1
+    count = entry["vectors"]["elements"]
+    passed = run([str(verilator(folder, entry["module"]))], folder)
+    assert passed.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in passed.stdout
 
 
 def test_float_norms_are_refused_as_float_layers() -> None:

@@ -25,11 +25,13 @@ import numpy as np
 from compilers.rtl.stream import stream_order
 from compilers.rtl.unit import RtlUnit
 from qnorm.ops._normcore import NormOp
+from qnorm.ops.activation import IntActivation
 from qnorm.ops.base import IntOp
 from qnorm.ops.spiking import _LIFNeuron
 
 RANDOM_VECTORS = 32  # random rows (samples, for a neuron) after the edge ones
 NEURON_STEPS = 16  # time steps of a neuron's samples (at most its analysis horizon)
+ACTIVATION_ELEMENTS = 16  # elements per vector of an activation (it has no row or channels of its own)
 SHOWN_MISMATCHES = 10  # mismatch lines the testbench prints before its summary
 INPUT_HEX, EXPECTED_HEX = "input.hex", "expected.hex"
 
@@ -50,9 +52,11 @@ class Vectors:
 
 def _vector_shape(op: IntOp) -> tuple[int, ...]:
     """The op-layout shape of one test vector: a row of a norm, one row of channels of a
-    BN unit, one sample's (T, channels) of a neuron."""
+    BN unit, one sample's (T, channels) of a neuron, a few elements of an activation."""
     if isinstance(op, NormOp):
         return (op.config.n,)
+    if isinstance(op, IntActivation):
+        return (ACTIVATION_ELEMENTS,)
     if isinstance(op, _LIFNeuron):
         return (min(NEURON_STEPS, op.bounds.steps or op.cfg.max_steps), *op.params.bn.shape)
     return tuple(op.bn.shape)

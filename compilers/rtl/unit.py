@@ -9,8 +9,8 @@ rising edge where valid and ready are both high):
   (time step 0, channel 0), which starts every membrane at u_rest.
 
 The stream order is the op's layout flattened: rows of N for a norm; elements
-of a (rows, C) array for the BN units; for the neurons, per sample the T time
-steps of C channels (``(T, B, C)`` inputs are streamed sample by sample).
+of a (rows, C) array for the BN units; any array flattened for the activations;
+for the neurons, per sample the T time steps of C channels (``(T, B, C)`` inputs are streamed sample by sample).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 from amaranth.hdl import Elaboratable
 
+from compilers.rtl.activation import ActivationUnit
 from compilers.rtl.elementwise import ElementwiseUnit
 from compilers.rtl.neuron import NeuronUnit
 from compilers.rtl.norm import NormUnit
 from qnorm.ops._normcore import NormOp
+from qnorm.ops.activation import IntActivation
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
 from qnorm.ops.spiking import _LIFNeuron
@@ -65,7 +67,7 @@ def rtl_unit(op: IntOp) -> RtlUnit:
     """The streaming unit of one golden op instance (raises NotImplementedError for
     an op family without one)."""
     if isinstance(op, NormOp):
-        unit: NormUnit | ElementwiseUnit | NeuronUnit = NormUnit(op)
+        unit: NormUnit | ElementwiseUnit | NeuronUnit | ActivationUnit = NormUnit(op)
         n = op.config.n
         return RtlUnit(f"{op.name}_n{n}", op, unit, *_ports(op), latency=unit.latency,
                        cycles_per_row=unit.cycles_per_row, elements_per_cycle=n / unit.cycles_per_row, row_length=n)
@@ -77,6 +79,10 @@ def rtl_unit(op: IntOp) -> RtlUnit:
         unit = NeuronUnit(op)
         return RtlUnit(f"{op.name}_c{unit.channels}", op, unit, *_ports(op), latency=unit.latency,
                        cycles_per_row=1, elements_per_cycle=1.0, row_length=1, has_first=True)
+    if isinstance(op, IntActivation):
+        unit = ActivationUnit(op)
+        return RtlUnit(f"{op.name}_i{op.in_fmt.bits}", op, unit, *_ports(op), latency=unit.latency,
+                       cycles_per_row=1, elements_per_cycle=1.0, row_length=1)
     raise NotImplementedError(f"no RTL unit for {type(op).__name__}")
 
 
@@ -86,4 +92,4 @@ def _ports(op: IntOp) -> tuple[int, bool, int, bool]:
 
 def has_rtl_unit(op: IntOp) -> bool:
     """Whether :func:`rtl_unit` has a unit for ``op``'s family (without building it)."""
-    return isinstance(op, (NormOp, MultiThreshold, BNQuant, _LIFNeuron))
+    return isinstance(op, (NormOp, MultiThreshold, BNQuant, _LIFNeuron, IntActivation))
