@@ -10,7 +10,9 @@ it with ``from_exported_program`` and compiles it with ``tvm.compile``.  Each
     half up, saturate) -> call_tir of the op's kernel (``kernel_for(op)``, its
     per-channel constants as Relax constants) -> dequantize (TE: int * 2^k) -> move back
 
-Every other node is TVM's own conversion.  ``aten.round`` is legalized to
+Ops whose kernels have the same text (those differing only in their per-channel
+constants, e.g. a transformer's LayerNorms) are scheduled once and share one kernel
+function, so LLVM compiles it once.  Every other node is TVM's own conversion.  ``aten.round`` is legalized to
 ``nearbyint`` (ties to even, like ``torch.round``; the tie tests pin that down).
 
 **Cache.**  Libraries live in ``$QNORM_CACHE/tvm/models/<key>/model.so``, keyed by
