@@ -12,7 +12,9 @@ from brevitas.quant import Int8WeightPerTensorFixedPoint
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from compilers.tvm.graph import compile_model, compile_target, model_key
+from compilers.tvm.graph import compile_model, compile_target, model_key, to_relax
+from compilers.tvm.schedules import CPU
+from qnorm.deploy import export, freeze
 from qnorm.fixedpoint import Round
 from qnorm.nn import BNQuantAct, IntLayerNorm
 from qnorm.passes import fold_thresholds
@@ -187,3 +189,35 @@ def test_bn_quant_act_compiles_as_its_multithreshold_fold(cache):
     with torch.no_grad():
         want = model(x).numpy()
     assert np.array_equal(compiled(x.numpy()), want) and len(np.unique(want)) > 2
+
+
+def test_identical_norm_kernels_are_scheduled_and_compiled_once(cache):
+    """Two LayerNorms of one configuration with different γ, β share one kernel text (the
+    per-channel constants are arguments): it is scheduled once and the Relax module holds
+    one function for both, called twice; the compiled model stays bit-exact."""
+    torch.manual_seed(0)
+    act = Int8ActPerTensorPow2MinMaxInit.let(min_val=-4.0, max_val=4.0)  # scale 2^-5
+    fmt = QFormat.power_of_two(8, -5)
+    norms = [IntLayerNorm(16, in_fmt=fmt, out_fmt=fmt) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:  # γ in one binade: the gains share their shift, the kernel text
+            norm.weight.uniform_(0.6, 0.99)
+            norm.bias.uniform_(-0.5, 0.5)
+    model = nn.Sequential(qnn.QuantIdentity(act_quant=act, return_quant_tensor=False), *norms).eval()
+    gains = [norm.golden().config.gain for norm in norms]
+    assert gains[0] != gains[1]
+    x = torch.randn(64, 16)
+    scheduled = []
+
+    def counting(func, output):
+        scheduled.append(func)
+        return CPU.rowwise(func, output)
+
+    mod = to_relax(export(freeze(model), x[:2]), replace(CPU, name="counting", rowwise=counting))
+    kernels = [gv.name_hint for gv in mod.get_global_vars() if gv.name_hint.startswith("qnorm_")
+               and not gv.name_hint.endswith(("_quantize", "_dequantize"))]
+    assert len(scheduled) == 1 and kernels == ["qnorm_1"]
+    assert mod.script().count("cls.qnorm_1,") == 2
+    compiled = compile_model(model, x[:2])
+    with torch.no_grad():
+        assert np.array_equal(compiled(x.numpy()), model(x).numpy())

@@ -10,7 +10,9 @@ it with ``from_exported_program`` and compiles it with ``tvm.compile``.  Each
     half up, saturate) -> call_tir of the op's kernel (``kernel_for(op)``, its
     per-channel constants as Relax constants) -> dequantize (TE: int * 2^k) -> move back
 
-Every other node is TVM's own conversion.  ``aten.round`` is legalized to
+Ops whose kernels have the same text (those differing only in their per-channel
+constants, e.g. a transformer's LayerNorms) are scheduled once and share one kernel
+function, so LLVM compiles it once.  Every other node is TVM's own conversion.  ``aten.round`` is legalized to
 ``nearbyint`` (ties to even, like ``torch.round``; the tie tests pin that down).
 
 **Cache.**  Libraries live in ``$QNORM_CACHE/tvm/models/<key>/model.so``, keyed by
@@ -75,7 +77,7 @@ from compilers.cache import sha256_file
 from compilers.tvm import c_api, cuda_model, opencl_model
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.gpu import GPU
-from compilers.tvm.kernels import kernel_for
+from compilers.tvm.kernels import Kernel, kernel_for
 from compilers.tvm.reproducible import relax_pipeline
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.deploy import (
@@ -141,9 +143,11 @@ def artifact_kind(target: Target, c_api_requested: bool) -> str:
 def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) -> tvm.IRModule:
     """The decomposed ``program`` as a Relax module; qnorm ops call their kernels,
     laid out by ``schedule`` (the CPU's, or the GPU's for a device target)."""
+    # one kernel function per kernel text, shared by every op that has it (see _kernel_var)
+    convert = functools.partial(_convert_int_op, schedule=schedule, kernels={})
     return from_exported_program(
         program,
-        custom_convert_map={"int_op.default": functools.partial(_convert_int_op, schedule=schedule)},
+        custom_convert_map={"int_op.default": convert},
         run_ep_decomposition=False,  # qnorm.deploy.export decomposed it (the proof saw that graph)
         unwrap_unit_return_tuple=True,
     )
@@ -152,11 +156,14 @@ def to_relax(program: torch.export.ExportedProgram, schedule: Schedule = CPU) ->
 def kernel_symbol(op_name: str) -> str:
     """The symbol of the kernel a qnorm op named ``op_name`` (its module path) compiles to;
     its quantizer and dequantizer are this symbol with ``_quantize`` / ``_dequantize``.
+    Ops with the same kernel text call the kernel of the first of them (in graph order).
     Profiles of a compiled model map the steps they time back to ops by it."""
     return "qnorm_" + "".join(c if c.isalnum() else "_" for c in op_name)
 
 
-def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> relax.Expr:
+def _convert_int_op(
+    node: torch.fx.Node, importer: Any, schedule: Schedule, kernels: dict[str, relax.GlobalVar]
+) -> relax.Expr:
     info = int_op_info(node.args[1])
     bb = importer.block_builder
     name = kernel_symbol(info.name)
@@ -175,14 +182,28 @@ def _convert_int_op(node: torch.fx.Node, importer: Any, schedule: Schedule) -> r
         raise ValueError(f"{info.name}: input rows {shape} do not end in the kernel's row shape {kernel.row_shape}")
     already_rows = ndim == lead + 2 and len(kernel.row_shape) == 1  # (T?, rows, C): the kernel's layout
     flat = q if already_rows else bb.emit(relax.op.reshape(q, [*shape[:lead], -1, row]))
-    func = _kernel_func(kernel.mod).with_attr("global_symbol", name)
-    gv = bb.add_func(func, name)
+    gv = _kernel_var(bb, kernel, name, kernels)
     consts = [relax.const(c) for c in kernel.consts]
     out = bb.emit(relax.call_tir(gv, [flat, *consts], out_ty=relax.TensorType(flat.ty.shape, kernel.out_dtype)))
     y = out if already_rows else bb.emit(relax.op.reshape(out, shape))
     y = bb.emit_te(_dequantizer(info.op.out_fmt), y, primfunc_name_hint=f"{name}_dequantize")
     inverse = [order.index(d) for d in range(ndim)]
     return y if order == list(range(ndim)) else bb.emit(relax.op.permute_dims(y, inverse))
+
+
+def _kernel_var(
+    bb: relax.BlockBuilder, kernel: Kernel, name: str, kernels: dict[str, relax.GlobalVar]
+) -> relax.GlobalVar:
+    """The module's function for ``kernel``: added as ``name``, or the one already added for
+    a kernel of the same text (ops differing only in their per-channel constants, which are
+    arguments).  Each function is compiled by LLVM on its own, so sharing one is what saves
+    the compile time; the text key makes the shared function exactly the one each op
+    would have had, less its name."""
+    text = kernel.mod.script()
+    if text not in kernels:
+        func = _kernel_func(kernel.mod).with_attr("global_symbol", name)
+        kernels[text] = bb.add_func(func, name)
+    return kernels[text]
 
 
 def _kernel_func(mod: tvm.IRModule | tirx.PrimFunc) -> tirx.PrimFunc:

@@ -20,6 +20,7 @@ their own next to their code.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ from compilers.tvm.cpu import schedule_rowwise
 ChannelBody = Callable[[Any], None]
 
 CPU_LANES = 8  # the neuron computes in int64: 8 lanes fill one 512-bit register
+# Scheduled kernels kept for reuse: a model's ops that share a kernel text (the five
+# LayerNorms of the demo transformer) are scheduled once; each schedule costs about
+# a second of TIR scheduling calls.
+SCHEDULED_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,30 @@ class Schedule:
     rows: Callable[[Any], AbstractContextManager[Any]]
     channels: Callable[[int, ChannelBody], None]
     scratch_scope: str = "global"
+
+
+_scheduled: OrderedDict[tuple[Schedule, str, str], tvm.IRModule] = OrderedDict()
+
+
+def scheduled_rowwise(schedule: Schedule, func: tirx.PrimFunc, output: str) -> tvm.IRModule:
+    """``schedule.rowwise(func, output)``, reusing the result for a ``func`` of the same text.
+
+    Kernels whose per-channel constants are arguments (every stage kernel) have one
+    text per op configuration, so ops that differ only in those constants schedule
+    once.  The key is the printed function, names included: a reused module is the
+    very one ``func`` would have been scheduled into, so build-cache keys and the
+    compiled bytes do not depend on which kernels were scheduled before.  The
+    last :data:`SCHEDULED_KEPT` are kept (a module is immutable: sharing it is safe).
+    """
+    key = (schedule, output, func.script())
+    if key in _scheduled:
+        _scheduled.move_to_end(key)
+        return _scheduled[key]
+    mod = schedule.rowwise(func, output)
+    _scheduled[key] = mod
+    while len(_scheduled) > SCHEDULED_KEPT:
+        _scheduled.popitem(last=False)
+    return mod
 
 
 def vector_channels(n: int, body: ChannelBody) -> None:

@@ -27,6 +27,7 @@ import tvm
 from tvm import te, tirx
 
 from compilers.tvm.build import Built, build
+from compilers.tvm.schedules import scheduled_rowwise
 from qnorm.analysis import Interval
 from qnorm.ops.base import IntOp
 from qnorm.qformat import QFormat
@@ -133,11 +134,13 @@ class Kernel:
         cls, op: IntOp, schedule: Any, x: te.Tensor, buffers: Sequence[te.Tensor], out: te.Tensor,
         consts: Sequence[Any], in_dtype: str, out_dtype: str, row_shape: Sequence[int],
     ) -> Kernel:
-        """The kernel ``out = f(x, *buffers)``, its rows laid out by ``schedule``;
-        ``consts`` (each with ``array()``) fill ``buffers`` at run time."""
+        """The kernel ``out = f(x, *buffers)``, its rows laid out by ``schedule`` (once per
+        kernel text: :func:`~compilers.tvm.schedules.scheduled_rowwise`); ``consts``
+        (each with ``array()``) fill ``buffers`` at run time."""
         func = te.create_prim_func([x, *buffers, out])
         arrays = tuple(c.array() for c in consts)
-        return cls(op, schedule.rowwise(func, "out"), arrays, in_dtype, out_dtype, tuple(row_shape))
+        mod = scheduled_rowwise(schedule, func, "out")
+        return cls(op, mod, arrays, in_dtype, out_dtype, tuple(row_shape))
 
     def build(self, target: Target) -> CompiledKernel:
         return CompiledKernel(self, build(self.mod, target))
