@@ -16,24 +16,32 @@ the stages walk in order, each bank handed from stage to stage:
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
   need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
 * row — the per-row chain (ε, leading-zero split, inverse, multiplier a,
-  offset c, shift K) as a pipeline of D register levels: every value the op
-  records or reuses is a register, so the leading-zero search and the isqrt
-  take one level per step, and every division is a chain of one
-  compare-subtract level per quotient bit (:func:`~compilers.rtl.values.divide`);
-  the results are latched into the bank D clocks after it entered;
+  offset c, shift K) on one **row engine** that takes one row at a time: a
+  schedule of D clocks (a sequential :class:`~compilers.rtl.values.Ctx`) where
+  every value the op records or reuses is one register loaded at its clock,
+  so the leading-zero search takes one clock per step, and each division and
+  the isqrt is one compare-subtract per clock on one set of registers
+  (:func:`~compilers.rtl.values.divide_serial`,
+  :func:`~compilers.rtl.values.isqrt_serial`); at clock D the results are
+  latched into the bank and the engine takes the next row on the same clock;
 * out — reads the buffer, one element per clock, through the element chain
   (``x·a − c``, the rounding shift, the output window, gain, bias, rounding,
-  saturation) pipelined the same way in L levels, all stalled together while
-  the output is not taken.
+  saturation) pipelined in L levels (a register after every multiply and
+  every recorded value), all stalled together while the output is not taken.
 
-``B = P + 2 + min(ceil((D + 2) / N), EXTRA_BANKS)``: a bank is held from its
-row's first input until its last element is read out, P·N + D + N + 1 cycles,
-so with that many banks a new row starts every N cycles and the unit accepts
-and emits **one element per clock** in steady state when N >= (D + 2) / 4
-(D = 87-243 for the int8 configs here: N = 64 streams at one element per clock).
-Shorter rows take
-``ceil((P·N + D + N + 1) / B)`` cycles per row.  Latency, first input accepted
-to first output valid: ``P·N + D + L + 2`` cycles (``NormUnit.latency``).
+The engine's hardware is one row's worth, not D levels of it: a row arrives
+only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
+N), MAX_ENGINES)`` engines take the rows in turn (int8 rows of 64: D = 20
+ShiftLayerNorm, 38 L1, 70 RMSNorm, 75 LayerNorm, whose division and square
+root take 52 clocks: one engine for L1 and Shift, two for RMS and LayerNorm)
+and N >= (D + 1) / E streams at **one element per clock**.
+``B = P + 1 + min(ceil((D + 2) / N), EXTRA_BANKS)`` banks: a bank is held from
+its row's first input until its last element is read out, P·N + D + N + 2
+cycles, so with B banks a new row starts every N cycles when the engine keeps
+up.  Rows shorter than (D + 1) / E take
+``max(ceil((D + 1) / E), ceil((P·N + D + N + 2) / B))`` cycles per row.  Latency, first
+input accepted to first output valid: ``P·N + D + L + 3`` cycles
+(``NormUnit.latency``).
 
 Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
 ``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
@@ -58,7 +66,8 @@ from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
 
-EXTRA_BANKS = 4  # row banks beyond P + 2 that hide the per-row pipeline (enough for N >= 48)
+EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
+MAX_ENGINES = 2  # row engines: enough for one element per clock at N >= 64 (D <= 127)
 
 
 def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
@@ -101,33 +110,36 @@ class NormUnit(StreamUnit):
         self.passes = self.graph.passes()
         self.row_depth, self.element_depth = self._depths()
         # a row holds its bank from its first input until its last element is read
-        # out, P·N + D + N + 1 cycles: with P + 2 + ceil((D + 2) / N) banks a row
-        # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 2)
-        self.banks = self.passes + 2 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
+        # out, P·N + D + N + 2 cycles: with P + 1 + ceil((D + 2) / N) banks a row
+        # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 1)
+        self.banks = self.passes + 1 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
+        # engines in turn, so a row's D + 1 clocks fit the N of each of E rows
+        self.engines = min(-(-(self.row_depth + 1) // self.n), MAX_ENGINES)
         self._make_streams(op.in_fmt, op.out_fmt)
 
     @property
     def cycles_per_row(self) -> int:
-        """Steady-state cycles per row: N, or the bank ring's limit for short rows."""
-        occupancy = self.passes * self.n + self.row_depth + self.n + 1
-        return max(self.n, -(-occupancy // self.banks))
+        """Steady-state cycles per row: N, or for short rows the row engines' limit
+        (D + 1 clocks per row on each of E) or the bank ring's."""
+        occupancy = self.passes * self.n + self.row_depth + self.n + 2
+        return max(self.n, -(-(self.row_depth + 1) // self.engines), -(-occupancy // self.banks))
 
     @property
     def latency(self) -> int:
-        """First input accepted to first output valid: the passes, the row pipeline,
-        the element pipeline, and two registered hand-offs."""
-        return self.passes * self.n + self.row_depth + self.element_depth + 2
+        """First input accepted to first output valid: the passes, the row engine's
+        schedule, the element pipeline, and three registered hand-offs."""
+        return self.passes * self.n + self.row_depth + self.element_depth + 3
 
     def _depths(self) -> tuple[int, int]:
-        """(D, L): the register levels of the per-row chain and of the element chain,
-        from a trial elaboration (the divider's steps depend on operand widths)."""
+        """(D, L): the row engine's schedule length and the element chain's register
+        levels, from a trial elaboration (the divider's steps depend on operand widths)."""
         m = Module()
         m._MustUse__silence = True
         widths = {rs.slot: rs.width(64) for rs in self.graph.sums}
         widths.update({slot: rs_bits(v) for slot, v in self.graph.latched.items()})
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, zero, rows, pipelined=True)
+        row = Ctx(m, Signal(8), zero, zero, rows, sequential=True, step=Signal(16), busy=Signal())
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
         return d, self.y.staged(elem)[1]
@@ -135,7 +147,7 @@ class NormUnit(StreamUnit):
     def elaborate(self, platform: object) -> Module:
         m = Module()
         n, banks, graph, p_count = self.n, self.banks, self.graph, self.passes
-        # bank phases: p = waiting for (or in) pass p; P: for the row pipeline;
+        # bank phases: p = waiting for (or in) pass p; P: for the row engine;
         # P + 1: in it; P + 2: for (or in) the output pass; back to 0 when read out
         row_ready, row_busy, out_ready = p_count, p_count + 1, p_count + 2
         phase = [Signal(range(p_count + 3), name=f"phase{b}") for b in range(banks)]
@@ -196,22 +208,30 @@ class NormUnit(StreamUnit):
                         m.d.sync += acc.eq(acc + term)
             count(p, step, p + 1 if p + 1 < p_count else row_ready)
 
-        # ---- the per-row chain: a pipeline of D register levels from the bank's sums
+        # ---- the row engine: the per-row chain's schedule of D clocks, one row at a time
         for slot, v in graph.latched.items():
             slot_regs(slot, rs_bits(v))
-        issue = active[p_count]
-        ctx = Ctx(m, self.in_data, chan[0], ptr[p_count], rows, pipelined=True)
-        results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
-        if max(level for _, level in results.values()) != self.row_depth:
-            raise RuntimeError(f"{self.op.name}: the per-row chain's depth differs from its trial elaboration")
-        done, bank = ctx.delay(issue, 0, self.row_depth), ctx.delay(ptr[p_count], 0, self.row_depth)
-        aligned = {slot: ctx.delay(v, level, self.row_depth) for slot, (v, level) in results.items()}
-        with m.If(issue):
-            hand_on(p_count, row_busy)
-        with m.If(done):  # (registers made inside an If would advance only under it)
-            for slot, v in aligned.items():
-                m.d.sync += Array(rows[slot])[bank].eq(v)
-            m.d.sync += Array(phase)[bank].eq(out_ready)
+        turn = Signal(range(self.engines), name="engine_turn")  # rows go to the engines in turn
+        for e in range(self.engines):
+            busy = Signal(name=f"engine{e}_busy")
+            step = Signal(range(self.row_depth + 1), name=f"engine{e}_step")
+            bank = Signal(range(banks), name=f"engine{e}_bank")
+            ctx = Ctx(m, self.in_data, chan[0], bank, rows, sequential=True, step=step, busy=busy)
+            results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
+            if max(level for _, level in results.values()) != self.row_depth:
+                raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
+            done = busy & (step == self.row_depth)
+            # the engine's next row starts on the clock this one ends
+            issue = active[p_count] & (turn == e) & (~busy | done)
+            with m.If(busy):
+                m.d.sync += step.eq(step + 1)
+            with m.If(done):
+                for slot, (v, _) in results.items():
+                    m.d.sync += Array(rows[slot])[bank].eq(v)
+                m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
+            with m.If(issue):
+                m.d.sync += [busy.eq(1), step.eq(0), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
+                hand_on(p_count, row_busy)
 
         # ---- output pass: a pipeline of L levels, all stalled while the output waits
         o = p_count + 1

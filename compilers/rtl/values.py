@@ -22,13 +22,29 @@ records and gives it the interval of the op's range report, so the named wire
 (``stat``, ``rsqrt``, ``mult``, ``xa``, ``acc`` …) is exactly as wide as
 ``op.ranges()`` says; truncating to it is exact because the report bounds it.
 
-Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value is a
-register and each value carries its level (registers since the stage's
+Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value and
+every product (a register after each multiply: DSP blocks keep their output
+register, and the clock does not wait for a multiply and an add) is a register,
+and each value carries its level (registers since the stage's
 inputs); an operation first delays its operands to a common level, so every
 path is balanced and a new input may enter every clock.  A division becomes one
 compare-subtract register level per quotient bit (:func:`divide`).  The digit
 loops of the definition (``bit_length_search``, ``isqrt_digits``) reuse each
 step's value, so they become one level per step by the same rule.
+
+Sequential.  A sequential :class:`Ctx` evaluates one row at a time on a
+schedule (a norm's per-row engine, where a new row arrives only every N
+clocks): levels are clock counts of the schedule, each recorded or reused value
+(and product; not a 1-bit compare, which feeds its select in the same clock,
+nor a read of the row's bank, which holds anyway) is one register loaded at
+the clock ``step == level`` and held until the next row, so operands need no
+delay registers; a division and the isqrt
+(:func:`qnorm.fixedpoint.isqrt` hands HDL values to :meth:`_HdlOps.isqrt`) run
+one compare-subtract per clock on a single set of registers
+(:func:`divide_serial`, :func:`isqrt_serial`), stepping through the same digits
+as the definition.  A division by a power-of-two constant is a shift in every
+context, and one whose operands are bounded (a recorded value, a constant, sums
+and products of them) takes only as many steps as its quotient has bits.
 
 Rates.  A value is per element or per row.  ``x.sum(...)`` (``_xp.row_sum``)
 turns a per-element value into a per-row one: an accumulator in the pass that
@@ -47,7 +63,7 @@ import numpy as np
 from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
 
 from qnorm.analysis import Interval
-from qnorm.fixedpoint import bits_for
+from qnorm.fixedpoint import bits_for, isqrt_digits
 
 SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
 
@@ -87,6 +103,12 @@ class Ctx:
     # a division is a chain of one compare-subtract stage per quotient bit
     pipelined: bool = False
     enable: Value | None = None
+    # sequential (module docstring): ``step`` counts the schedule's clocks while
+    # ``busy`` is high; ``level`` is that of the operands of the value being built
+    sequential: bool = False
+    step: Value | None = None
+    busy: Value | None = None
+    level: int = 0
     memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
     delays: dict[tuple[int, int], Any] = field(default_factory=dict)
     keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
@@ -101,9 +123,32 @@ class Ctx:
                 self.m.d.sync += reg.eq(v)
         return reg
 
+    def at(self, level: int) -> Value:
+        """High on the schedule's clock ``level`` (sequential)."""
+        key = ("at", level)
+        if key not in self.delays:
+            assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
+            hit = Signal(name=f"at{level}")
+            self.m.d.comb += hit.eq(self.busy & (self.step == level))
+            self.delays[key] = hit
+        return self.delays[key]
+
+    def during(self, first: int, last: int) -> Value:
+        """High on the schedule's clocks ``first`` … ``last`` (sequential)."""
+        assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
+        return self.busy & (self.step >= first) & (self.step <= last)
+
+    def hold(self, v: Value, name: str, level: int) -> Value:
+        """A register loaded with ``v`` at the schedule's clock ``level``, then held."""
+        reg = Signal(v.shape(), name=name)
+        with self.m.If(self.at(level)):
+            self.m.d.sync += reg.eq(v)
+        return reg
+
     def delay(self, v: Value, level: int, to: int) -> Value:
-        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared."""
-        if isinstance(v, Const):
+        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared
+        (sequential: ``v`` itself, which holds until the next row)."""
+        if isinstance(v, Const) or self.sequential:
             return v
         base = id(v)
         self.keep.append(v)
@@ -159,7 +204,9 @@ class Graph:
         """A per-row value computed once (the row stage) and read back from the row's bank."""
         slot = self.new_slot()
         self.latched[slot] = v
-        return Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+        read = Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+        read.banked = True
+        return read
 
     def passes(self) -> int:
         """How many passes over the row the statistic takes (at least one: the input)."""
@@ -174,6 +221,10 @@ class Hdl:
                  iv: Interval | None = None, name: str | None = None) -> None:
         self.graph, self.fn, self.deps, self.pass_, self.per_row = graph, fn, deps, pass_, per_row
         self.iv, self.name = iv, name
+        self.constant: int | None = None  # the value of a lifted integer constant
+        self.known: Interval | None = None  # a bound derived from operands' bounds (see bound)
+        self.banked = False  # a read of the row's bank registers (held while its row is in a stage)
+        self.product = False  # a multiplier (not a power-of-two constant's shift): registered
         self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
         for d in deps:
             d.uses += 1
@@ -190,11 +241,17 @@ class Hdl:
         if key not in ctx.memo:
             parts = [d.staged(ctx) for d in self.deps]
             level = max((lv for _, lv in parts), default=0)
+            ctx.level = level
             got = self.fn(ctx, *(ctx.delay(v, lv, level) for v, lv in parts))
             v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)
-            if ctx.pipelined and not isinstance(v, Const) and (self.iv is not None or self.uses > 1):
+            keep = not isinstance(v, Const) and (self.iv is not None or self.uses > 1 or self.product)
+            # a schedule holds a bank read anyway, and a shared compare feeds a select
+            # in the same clock: neither needs a register of its own
+            if ctx.sequential and keep and not self.banked and (len(v) > 1 or self.iv is not None):
+                v, level = ctx.hold(v, self.name or "s", level), level + 1
+            elif ctx.pipelined and keep:
                 v, level = ctx.register(v, self.name or "p"), level + 1
             elif self.uses > 1 and self.iv is None:
                 # a wire, so the expression is not copied into every reader (the
@@ -211,6 +268,16 @@ class Hdl:
         self.name = name
 
     @property
+    def bound(self) -> Interval | None:
+        """A proven interval of this value where one is known: the op's (recorded
+        values), a constant's own, or one derived through ``+``, ``-``, ``*``."""
+        if self.iv is not None:
+            return self.iv
+        if self.constant is not None:
+            return Interval(self.constant, self.constant)
+        return self.known
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The trailing shape one element stands for (the ops' shape checks read it)."""
         return self.graph.shape
@@ -223,7 +290,9 @@ class Hdl:
         if isinstance(o, (bool, np.bool_)):
             return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), (), 0, True)
         if isinstance(o, (int, np.integer)):
-            return Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
+            lifted = Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
+            lifted.constant = int(o)
+            return lifted
         if isinstance(o, np.ndarray) and o.ndim == 0:
             return self._lift(int(o))
         raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
@@ -236,25 +305,35 @@ class Hdl:
 
         return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
 
+    def _bounded(self, o: Any, f: Callable[[Value, Value], Value], g: Callable[[Interval, Interval], Interval]) -> Hdl:
+        """:meth:`_combine`, with the result's bound ``g`` of the operands' where both have one."""
+        out = self._combine(o, f)
+        a, b = out.deps
+        if a.bound is not None and b.bound is not None:
+            out.known = g(a.bound, b.bound)
+        return out
+
     def _unary(self, f: Callable[[Value], Value]) -> Hdl:
         return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row)
 
     # ---- arithmetic (Python-integer semantics)
 
     def __add__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a + b)
+        return self._bounded(o, lambda a, b: a + b, lambda a, b: a + b)
 
     def __radd__(self, o: Any) -> Hdl:
         return self._lift(o) + self
 
     def __sub__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a - b)
+        return self._bounded(o, lambda a, b: a - b, lambda a, b: a - b)
 
     def __rsub__(self, o: Any) -> Hdl:
         return self._lift(o) - self
 
     def __mul__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a * b)
+        out = self._bounded(o, lambda a, b: a * b, lambda a, b: a * b)
+        out.product = not any(h.constant is not None and h.constant & (h.constant - 1) == 0 for h in out.deps)
+        return out
 
     def __rmul__(self, o: Any) -> Hdl:
         return self._lift(o) * self
@@ -269,17 +348,28 @@ class Hdl:
         return self._divide(o, quotient=False)
 
     def _divide(self, o: Any, quotient: bool) -> Hdl:
-        """Floor division or modulo: combinational, or pipelined (:func:`divide`)."""
+        """Floor division or modulo: a shift and a mask by a power-of-two constant;
+        else combinational, pipelined (:func:`divide`) or serial (:func:`divide_serial`)."""
         a, b = self, self._lift(o)
+        k = b.constant
+        if k is not None and k > 0 and k & (k - 1) == 0:
+            s = k.bit_length() - 1
+            if quotient:
+                return a._unary(lambda n: n >> s)
+            return a._unary(lambda n: Cat(n[:s], Const(0, 1)).as_signed())
+        # the operands by identity (a constant by value): n // d and n % d share one divider
+        key = ("div", *((h.constant,) if h.constant is not None else (id(h), h) for h in (a, b)))
 
         def build(ctx: Ctx, n: Value, d: Value) -> Value | tuple[Value, int]:
             n, d = signed_value(n), signed_value(d)
-            if not ctx.pipelined:
+            if not (ctx.pipelined or ctx.sequential):
                 return n // d if quotient else n % d
-            key = (id(n), id(d))
             if key not in ctx.delays:  # one divider gives both results
                 ctx.keep += [n, d]
-                ctx.delays[key] = divide(ctx, n, d)
+                if ctx.sequential:
+                    ctx.delays[key] = divide_serial(ctx, n, d, quotient_bits(n, d, a.bound, b.bound))
+                else:
+                    ctx.delays[key] = divide(ctx, n, d)
             q, r, steps = ctx.delays[key]
             return (q if quotient else r), steps
 
@@ -357,6 +447,7 @@ class Hdl:
         acc = RowSum(graph.new_slot(), self)
         graph.sums.append(acc)
         acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], (), self.pass_ + 1, True)
+        acc.result.banked = True
         return acc.result
 
     def __getitem__(self, key: Any) -> Hdl:
@@ -427,6 +518,67 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
     return q, r, level
 
 
+def quotient_bits(n: Value, d: Value, n_iv: Interval | None, d_iv: Interval | None) -> int:
+    """How many quotient bits :func:`divide_serial` must produce for ``n // d`` (d > 0):
+    from the operands' bounds where both are known, else from their widths."""
+    bits = max(len(n), len(d)) + 1
+    if n_iv is None or d_iv is None or d_iv.lo < 1:
+        return bits
+    # the magnitude divided: n, or −n + d − 1 for a negative n
+    mag = max(n_iv.hi, -n_iv.lo + d_iv.hi - 1 if n_iv.lo < 0 else 0, 0)
+    return min(max((mag // d_iv.lo).bit_length(), 1), bits)
+
+
+def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int) -> tuple[Value, Value, int]:
+    """Floor quotient and modulo of ``n`` by ``d > 0`` on one row's schedule: the
+    restoring steps of :func:`divide`, one per clock on one remainder register.
+
+    n and d hold still while it runs (sequential).  The magnitude's low ``qbits``
+    bits are the quotient's; the bits above them are the first partial remainder,
+    below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  Loaded
+    at the operands' level ℓ, it steps on ℓ + 1 … ℓ + qbits: (q, r, qbits + 1)."""
+    start = ctx.level
+    bits = max(len(n), len(d)) + 1
+    neg = n < 0
+    mag = Mux(neg, -n + d - 1, n).as_unsigned()[:bits]
+    dd = d.as_unsigned()[: len(d)]
+    rem = Signal(len(dd), name="div_r")  # the partial remainder, always below d
+    nq = Signal(qbits, name="div_q")  # the numerator's bits shift out as the quotient's shift in
+    trial = Cat(nq[-1], rem)
+    take = trial >= dd
+    with ctx.m.If(ctx.at(start)):
+        ctx.m.d.sync += [rem.eq(mag[qbits:]), nq.eq(mag[:qbits])]
+    with ctx.m.If(ctx.during(start + 1, start + qbits)):
+        ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq[:-1]))]
+    q = Mux(neg, -signed_value(nq), signed_value(nq))
+    r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
+    return q, r, qbits + 1
+
+
+def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
+    """:func:`qnorm.fixedpoint.isqrt_digits` on one row's schedule: its digit steps,
+    one per clock, on one remainder, result and bit register.  Loaded at the
+    operand's level ℓ (v >= 0 holds still), it steps on ℓ + 1 … ℓ + S: (root, S + 1)."""
+    start = ctx.level
+    top = max_input_bits + (max_input_bits & 1)
+    steps = top // 2 + 1
+    width = top + 2
+    rem = Signal(max(len(v), width), name="isqrt_rem")
+    res = Signal(width, name="isqrt_res")
+    bit = Signal(width, name="isqrt_bit")  # 4^k of the current digit: one-hot
+    trial = res + bit
+    take = rem >= trial
+    with ctx.m.If(ctx.at(start)):
+        ctx.m.d.sync += [rem.eq(v.as_unsigned()), res.eq(0), bit.eq(1 << top)]
+    with ctx.m.If(ctx.during(start + 1, start + steps)):
+        ctx.m.d.sync += [
+            rem.eq(Mux(take, rem - trial, rem)),
+            res.eq(Mux(take, (res >> 1) + bit, res >> 1)),
+            bit.eq(bit >> 2),
+        ]
+    return signed_value(res), steps + 1
+
+
 class _HdlOps:
     """The primitives :mod:`qnorm.fixedpoint` takes from an operand kind of its own."""
 
@@ -458,6 +610,19 @@ class _HdlOps:
 
     def one_like(self, s: Any) -> Hdl:
         return s._lift(1)
+
+    def isqrt(self, v: Hdl, max_input_bits: int) -> Hdl:
+        """``isqrt_digits(v)``: serial in a sequential context, else the unrolled loop."""
+        unrolled = isqrt_digits(v, max_input_bits)
+
+        def build(ctx: Ctx, value: Value) -> tuple[Value, int]:
+            if ctx.sequential:
+                return isqrt_serial(ctx, value, max_input_bits)
+            base = ctx.level  # the operand's level (staging the loop moves ctx.level)
+            out, level = unrolled.staged(ctx)
+            return out, level - base
+
+        return Hdl(v.graph, build, (v,), v.pass_, v.per_row)
 
 
 Hdl.fixedpoint_ops = _HdlOps()
