@@ -55,6 +55,7 @@ value that uses a per-row value of pass ``p`` belongs to pass ``p + 1`` (L1's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,6 +226,7 @@ class Hdl:
         self.known: Interval | None = None  # a bound derived from operands' bounds (see bound)
         self.banked = False  # a read of the row's bank registers (held while its row is in a stage)
         self.product = False  # a multiplier (not a power-of-two constant's shift): registered
+        self.quotient_of: tuple | None = None  # a division's quotient: its divider's key
         self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
         for d in deps:
             d.uses += 1
@@ -239,13 +241,21 @@ class Hdl:
         """The value and its pipeline level in ``ctx`` (always 0 unless pipelined)."""
         key = id(self)
         if key not in ctx.memo:
-            parts = [d.staged(ctx) for d in self.deps]
+            # a pipeline reads a per-channel table where it is used, at the channel's
+            # delayed index, rather than delaying the table's (wider) value
+            late = [ctx.pipelined and isinstance(d, Table) for d in self.deps]
+            parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late)]
             level = max((lv for _, lv in parts), default=0)
             ctx.level = level
-            got = self.fn(ctx, *(ctx.delay(v, lv, level) for v, lv in parts))
+            got = self.fn(ctx, *(d.read_at(ctx, level) if t else ctx.delay(v, lv, level)  # type: ignore[attr-defined]
+                                 for d, t, (v, lv) in zip(self.deps, late, parts)))
             v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)
+            elif self.known is not None and not isinstance(v, Const):
+                bits = bits_for(self.known.lo, self.known.hi)
+                if bits < len(v):  # narrower than Amaranth's widening
+                    v = sized(v, self.known, self.name or "t", ctx.m)
             keep = not isinstance(v, Const) and (self.iv is not None or self.uses > 1 or self.product)
             # a schedule holds a bank read anyway, and a shared compare feeds a select
             # in the same clock: neither needs a register of its own
@@ -351,6 +361,17 @@ class Hdl:
         """Floor division or modulo: a shift and a mask by a power-of-two constant;
         else combinational, pipelined (:func:`divide`) or serial (:func:`divide_serial`)."""
         a, b = self, self._lift(o)
+        out = self._divider(b, quotient)
+        if a.bound is not None and b.bound is not None and b.bound.lo > 0:
+            n, d = a.bound, b.bound
+            if quotient:  # n // d is monotone in n, and in d for either sign of n
+                out.known = Interval.hull(*(x // y for x in (n.lo, n.hi) for y in (d.lo, d.hi)))
+            else:
+                out.known = Interval(0, d.hi - 1)
+        return out
+
+    def _divider(self, b: Hdl, quotient: bool) -> Hdl:
+        a = self
         k = b.constant
         if k is not None and k > 0 and k & (k - 1) == 0:
             s = k.bit_length() - 1
@@ -367,22 +388,32 @@ class Hdl:
             if key not in ctx.delays:  # one divider gives both results
                 ctx.keep += [n, d]
                 if ctx.sequential:
-                    ctx.delays[key] = divide_serial(ctx, n, d, quotient_bits(n, d, a.bound, b.bound))
+                    qbits = quotient_bits(n, d, a.bound, b.bound)
+                    serial = divide_serial(ctx, n, d, qbits, a.bound is not None and a.bound.lo >= 0)
+                    ctx.delays[("serial", key)] = serial
+                    ctx.delays[key] = serial.q, serial.r, serial.qbits + 1
                 else:
                     ctx.delays[key] = divide(ctx, n, d)
             q, r, steps = ctx.delays[key]
             return (q if quotient else r), steps
 
-        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        out = Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        if quotient:
+            out.quotient_of = key
+        return out
 
     def __rmod__(self, o: Any) -> Hdl:
         return self._lift(o) % self
 
     def __neg__(self) -> Hdl:
-        return self._unary(lambda a: -a)
+        out = self._unary(lambda a: -a)
+        out.known = None if self.bound is None else -self.bound
+        return out
 
     def __abs__(self) -> Hdl:
-        return self._unary(lambda a: Mux(a < 0, -a, a))
+        out = self._unary(lambda a: Mux(a < 0, -a, a))
+        out.known = None if self.bound is None else self.bound.abs()
+        return out
 
     def __and__(self, o: Any) -> Hdl:
         return self._combine(o, lambda a, b: a & b)
@@ -400,13 +431,13 @@ class Hdl:
     __rxor__ = __xor__
 
     def __lshift__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS])
+        return self._bounded(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS], shifted_left)
 
     def __rlshift__(self, o: Any) -> Hdl:
         return self._lift(o) << self
 
     def __rshift__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS])
+        return self._bounded(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS], shifted_right)
 
     def __rrshift__(self, o: Any) -> Hdl:
         return self._lift(o) >> self
@@ -458,7 +489,9 @@ class Hdl:
             raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
         k = key[1].stop
         channel = Hdl(self.graph, lambda ctx: ctx.channel, (), 0, False)
-        return Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
+        out = Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
+        out.known = None if self.bound is None else self.bound.union(Interval(0, 0))
+        return out
 
     def const_like(self, values: np.ndarray) -> Hdl:
         """Per-channel constants as a ROM of their exact width, read at the element's channel."""
@@ -472,6 +505,8 @@ class Table(Hdl):
         self.values = values
         channel = Hdl(graph, lambda ctx: ctx.channel, (), 0, False)
         super().__init__(graph, self._read, (channel,), 0, False)
+        if values.size:
+            self.known = Interval(int(values.min()), int(values.max()))
 
     def _read(self, ctx: Ctx, channel: Value) -> Value:
         if self.values.ndim > 1 and self.values.shape != self.graph.shape:
@@ -483,6 +518,13 @@ class Table(Hdl):
         shape = signed(bits_for(lo, hi))
         rom = Array(Const(v, shape) for v in vals)
         return rom[channel]
+
+    def read_at(self, ctx: Ctx, level: int) -> Value:
+        """The table read at pipeline level ``level``: at the element's channel delayed as far."""
+        key = ("table", id(self), level)
+        if key not in ctx.delays:
+            ctx.delays[key] = self._read(ctx, ctx.delay(ctx.channel, 0, level))
+        return ctx.delays[key]
 
     def __getitem__(self, key: Any) -> Hdl:
         if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
@@ -518,6 +560,18 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
     return q, r, level
 
 
+def shifted_left(v: Interval, s: Interval) -> Interval:
+    """The bound of ``v << s`` (s >= 0)."""
+    lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
+    return Interval.hull(v.lo << lo, v.lo << hi, v.hi << lo, v.hi << hi)
+
+
+def shifted_right(v: Interval, s: Interval) -> Interval:
+    """The bound of ``v >> s`` (s >= 0): a floor shift moves toward 0 or −1."""
+    lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
+    return Interval.hull(v.lo >> lo, v.lo >> hi, v.hi >> lo, v.hi >> hi)
+
+
 def quotient_bits(n: Value, d: Value, n_iv: Interval | None, d_iv: Interval | None) -> int:
     """How many quotient bits :func:`divide_serial` must produce for ``n // d`` (d > 0):
     from the operands' bounds where both are known, else from their widths."""
@@ -529,14 +583,29 @@ def quotient_bits(n: Value, d: Value, n_iv: Interval | None, d_iv: Interval | No
     return min(max((mag // d_iv.lo).bit_length(), 1), bits)
 
 
-def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int) -> tuple[Value, Value, int]:
+@dataclass(frozen=True, eq=False)
+class SerialDivider:
+    """A :func:`divide_serial` divider: its results, and where its quotient bits
+    appear (``nq[0]`` holds quotient bit ``qbits − 1 − j`` from clock
+    ``start + 2 + j``) for an isqrt that digests them as they come."""
+
+    q: Value
+    r: Value
+    nq: Signal
+    start: int
+    qbits: int
+    nonneg: bool  # the dividend is proven >= 0: q is nq itself
+
+
+def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False) -> SerialDivider:
     """Floor quotient and modulo of ``n`` by ``d > 0`` on one row's schedule: the
     restoring steps of :func:`divide`, one per clock on one remainder register.
 
     n and d hold still while it runs (sequential).  The magnitude's low ``qbits``
     bits are the quotient's; the bits above them are the first partial remainder,
     below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  Loaded
-    at the operands' level ℓ, it steps on ℓ + 1 … ℓ + qbits: (q, r, qbits + 1)."""
+    at the operands' level ℓ, it steps on ℓ + 1 … ℓ + qbits; q and r are valid
+    from ℓ + qbits + 1."""
     start = ctx.level
     bits = max(len(n), len(d)) + 1
     neg = n < 0
@@ -552,7 +621,7 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int) -> tuple[Value, Valu
         ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq[:-1]))]
     q = Mux(neg, -signed_value(nq), signed_value(nq))
     r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
-    return q, r, qbits + 1
+    return SerialDivider(q, r, nq, start, qbits, nonneg)
 
 
 def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
@@ -579,6 +648,29 @@ def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
     return signed_value(res), steps + 1
 
 
+def isqrt_of_quotient(ctx: Ctx, div: SerialDivider) -> tuple[Value, int]:
+    """The floor square root of a serial divider's non-negative quotient, digested
+    two quotient bits at a time as the divider produces them (its digits are
+    :func:`qnorm.fixedpoint.isqrt_digits`': the root's bits from the top, each the
+    outcome of one compare-subtract; pairs above the quotient's ``qbits`` are 0).
+    (root, the absolute level it is valid from: one clock after the quotient)."""
+    odd = div.qbits & 1  # the top pair is (0, the quotient's top bit)
+    pairs = (div.qbits + odd) // 2
+    first = div.start + 3 - odd  # the clock the top pair is complete in nq[1:0]
+    last = first + 2 * (pairs - 1)
+    rem = Signal(pairs + 2, name="root_rem")  # below 2·root + 1
+    root = Signal(pairs + 1, name="root")
+    high = Mux(ctx.at(first), 0, div.nq[1]) if odd else div.nq[1]
+    grown = Cat(div.nq[0], high, rem)  # 4·rem + the next pair
+    trial = Cat(Const(1, 2), root)  # 4·root + 1
+    take = grown >= trial
+    with ctx.m.If(ctx.at(div.start)):
+        ctx.m.d.sync += [rem.eq(0), root.eq(0)]
+    with ctx.m.If(ctx.during(first, last) & (ctx.step[0] == (first & 1))):
+        ctx.m.d.sync += [rem.eq(Mux(take, grown - trial, grown)), root.eq(Cat(take, root))]
+    return signed_value(root), last + 1
+
+
 class _HdlOps:
     """The primitives :mod:`qnorm.fixedpoint` takes from an operand kind of its own."""
 
@@ -591,8 +683,11 @@ class _HdlOps:
         c, x, y = h._lift(cond), h._lift(a), h._lift(b)
         pass_ = max(c.pass_, x.pass_, y.pass_)
         rate = c.per_row and x.per_row and y.per_row
-        return Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
-                   pass_, rate)
+        out = Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
+                  pass_, rate)
+        if x.bound is not None and y.bound is not None:
+            out.known = x.bound.union(y.bound)
+        return out
 
     def land(self, a: Any, b: Any) -> Hdl:
         h = self._graph(a, b)
@@ -616,13 +711,21 @@ class _HdlOps:
         unrolled = isqrt_digits(v, max_input_bits)
 
         def build(ctx: Ctx, value: Value) -> tuple[Value, int]:
+            serial = ctx.delays.get(("serial", v.quotient_of)) if ctx.sequential else None
+            if isinstance(serial, SerialDivider) and serial.nonneg:
+                root, valid = isqrt_of_quotient(ctx, serial)
+                return root, max(valid - ctx.level, 0)
             if ctx.sequential:
                 return isqrt_serial(ctx, value, max_input_bits)
             base = ctx.level  # the operand's level (staging the loop moves ctx.level)
             out, level = unrolled.staged(ctx)
             return out, level - base
 
-        return Hdl(v.graph, build, (v,), v.pass_, v.per_row)
+        out = Hdl(v.graph, build, (v,), v.pass_, v.per_row)
+        top = max_input_bits + (max_input_bits & 1)
+        hi = 1 << (top // 2 + 1) if v.bound is None else math.isqrt(max(v.bound.hi, 0))
+        out.known = Interval(0 if v.bound is None else math.isqrt(max(v.bound.lo, 0)), hi)
+        return out
 
 
 Hdl.fixedpoint_ops = _HdlOps()
