@@ -67,6 +67,12 @@ from qnorm.analysis import Interval
 from qnorm.fixedpoint import bits_for, isqrt_digits
 
 SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
+# Estimated logic levels of one operation (a carry chain counts as three), and
+# the most a path between registers may have: a pipeline or schedule registers
+# an operand where its path would grow beyond it (ECP5 at 150 MHz: one carry
+# chain and a few LUTs per clock).
+LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
+DEPTH_BUDGET = 6
 
 
 def signed_value(v: Value) -> Value:
@@ -111,6 +117,7 @@ class Ctx:
     busy: Value | None = None
     level: int = 0
     memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
+    depths: dict[int, int] = field(default_factory=dict)  # logic levels since a register, per Hdl
     delays: dict[tuple[int, int], Any] = field(default_factory=dict)
     keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
 
@@ -123,6 +130,20 @@ class Ctx:
             with self.m.If(self.enable):
                 self.m.d.sync += reg.eq(v)
         return reg
+
+    def depth_of(self, h: Hdl, level: int, to: int) -> int:
+        """The logic levels behind ``h``'s value (valid at ``level``) read at level ``to``:
+        none where a pipeline delays it through registers."""
+        return 0 if self.pipelined and level < to else self.depths.get(id(h), 0)
+
+    def cut(self, h: Hdl, v: Value, level: int) -> tuple[Value, int]:
+        """``h``'s value through a register (shared by its readers): its path ends here."""
+        if isinstance(v, Const):
+            return v, level
+        reg = self.hold(v, "cut", level) if self.sequential else self.register(v, "cut")
+        self.memo[id(h)] = (reg, level + 1)
+        self.depths[id(h)] = 0
+        return reg, level + 1
 
     def at(self, level: int) -> Value:
         """High on the schedule's clock ``level`` (sequential)."""
@@ -219,9 +240,10 @@ class Hdl:
     of ``deps`` (a leaf: of the context alone)."""
 
     def __init__(self, graph: Graph, fn: Callable[..., Value], deps: tuple[Hdl, ...], pass_: int, per_row: bool,
-                 iv: Interval | None = None, name: str | None = None) -> None:
+                 iv: Interval | None = None, name: str | None = None, cost: int = 0) -> None:
         self.graph, self.fn, self.deps, self.pass_, self.per_row = graph, fn, deps, pass_, per_row
         self.iv, self.name = iv, name
+        self.cost = cost  # estimated logic levels of the operation itself
         self.constant: int | None = None  # the value of a lifted integer constant
         self.known: Interval | None = None  # a bound derived from operands' bounds (see bound)
         self.banked = False  # a read of the row's bank registers (held while its row is in a stage)
@@ -246,6 +268,13 @@ class Hdl:
             late = [ctx.pipelined and isinstance(d, Table) for d in self.deps]
             parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late)]
             level = max((lv for _, lv in parts), default=0)
+            timed = ctx.pipelined or ctx.sequential
+            depth = max((ctx.depth_of(d, lv, level) for d, (_, lv) in zip(self.deps, parts)), default=0)
+            if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
+                parts = [ctx.cut(d, v, lv) if ctx.depth_of(d, lv, level) and not t else (v, lv)
+                         for d, t, (v, lv) in zip(self.deps, late, parts)]
+                level = max((lv for _, lv in parts), default=0)
+                depth = max((ctx.depth_of(d, lv, level) for d, (_, lv) in zip(self.deps, parts)), default=0)
             ctx.level = level
             got = self.fn(ctx, *(d.read_at(ctx, level) if t else ctx.delay(v, lv, level)  # type: ignore[attr-defined]
                                  for d, t, (v, lv) in zip(self.deps, late, parts)))
@@ -259,10 +288,13 @@ class Hdl:
             keep = not isinstance(v, Const) and (self.iv is not None or self.uses > 1 or self.product)
             # a schedule holds a bank read anyway, and a shared compare feeds a select
             # in the same clock: neither needs a register of its own
+            ctx.depths[id(self)] = depth + self.cost + (LOGIC if self.banked else 0)  # (a bank read: a mux)
             if ctx.sequential and keep and not self.banked and (len(v) > 1 or self.iv is not None):
                 v, level = ctx.hold(v, self.name or "s", level), level + 1
+                ctx.depths[id(self)] = 0
             elif ctx.pipelined and keep:
                 v, level = ctx.register(v, self.name or "p"), level + 1
+                ctx.depths[id(self)] = 0
             elif self.uses > 1 and self.iv is None:
                 # a wire, so the expression is not copied into every reader (the
                 # digit loops reuse each step's value twice: a tree would double per step)
@@ -307,24 +339,25 @@ class Hdl:
             return self._lift(int(o))
         raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
 
-    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True) -> Hdl:
+    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True, cost: int = CARRY) -> Hdl:
         a, b = self, self._lift(o)
 
         def build(ctx: Ctx, va: Value, vb: Value) -> Value:
             return f(signed_value(va), signed_value(vb)) if arith else f(va, vb)
 
-        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row, cost=cost)
 
-    def _bounded(self, o: Any, f: Callable[[Value, Value], Value], g: Callable[[Interval, Interval], Interval]) -> Hdl:
+    def _bounded(self, o: Any, f: Callable[[Value, Value], Value], g: Callable[[Interval, Interval], Interval],
+                 cost: int = CARRY) -> Hdl:
         """:meth:`_combine`, with the result's bound ``g`` of the operands' where both have one."""
-        out = self._combine(o, f)
+        out = self._combine(o, f, cost=cost)
         a, b = out.deps
         if a.bound is not None and b.bound is not None:
             out.known = g(a.bound, b.bound)
         return out
 
-    def _unary(self, f: Callable[[Value], Value]) -> Hdl:
-        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row)
+    def _unary(self, f: Callable[[Value], Value], cost: int = CARRY) -> Hdl:
+        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row, cost=cost)
 
     # ---- arithmetic (Python-integer semantics)
 
@@ -341,8 +374,9 @@ class Hdl:
         return self._lift(o) - self
 
     def __mul__(self, o: Any) -> Hdl:
-        out = self._bounded(o, lambda a, b: a * b, lambda a, b: a * b)
+        out = self._bounded(o, lambda a, b: a * b, lambda a, b: a * b, cost=PRODUCT)
         out.product = not any(h.constant is not None and h.constant & (h.constant - 1) == 0 for h in out.deps)
+        out.cost = PRODUCT if out.product else 0  # by a power of two: wiring
         return out
 
     def __rmul__(self, o: Any) -> Hdl:
@@ -376,8 +410,8 @@ class Hdl:
         if k is not None and k > 0 and k & (k - 1) == 0:
             s = k.bit_length() - 1
             if quotient:
-                return a._unary(lambda n: n >> s)
-            return a._unary(lambda n: Cat(n[:s], Const(0, 1)).as_signed())
+                return a._unary(lambda n: n >> s, cost=0)
+            return a._unary(lambda n: Cat(n[:s], Const(0, 1)).as_signed(), cost=0)
         # the operands by identity (a constant by value): n // d and n % d share one divider
         key = ("div", *((h.constant,) if h.constant is not None else (id(h), h) for h in (a, b)))
 
@@ -397,7 +431,7 @@ class Hdl:
             q, r, steps = ctx.delays[key]
             return (q if quotient else r), steps
 
-        out = Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        out = Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row, cost=CARRY + LOGIC)
         if quotient:
             out.quotient_of = key
         return out
@@ -411,33 +445,37 @@ class Hdl:
         return out
 
     def __abs__(self) -> Hdl:
-        out = self._unary(lambda a: Mux(a < 0, -a, a))
+        out = self._unary(lambda a: Mux(a < 0, -a, a), cost=CARRY + LOGIC)
         out.known = None if self.bound is None else self.bound.abs()
         return out
 
     def __and__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a & b)
+        return self._combine(o, lambda a, b: a & b, cost=LOGIC)
 
     __rand__ = __and__
 
     def __or__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a | b)
+        return self._combine(o, lambda a, b: a | b, cost=LOGIC)
 
     __ror__ = __or__
 
     def __xor__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a ^ b)
+        return self._combine(o, lambda a, b: a ^ b, cost=LOGIC)
 
     __rxor__ = __xor__
 
     def __lshift__(self, o: Any) -> Hdl:
-        return self._bounded(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS], shifted_left)
+        return self._bounded(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS], shifted_left, self._shift_cost(o))
 
     def __rlshift__(self, o: Any) -> Hdl:
         return self._lift(o) << self
 
     def __rshift__(self, o: Any) -> Hdl:
-        return self._bounded(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS], shifted_right)
+        return self._bounded(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS], shifted_right, self._shift_cost(o))
+
+    def _shift_cost(self, amount: Any) -> int:
+        """A shift by a constant is wiring; by a value, a barrel shifter."""
+        return 0 if self._lift(amount).constant is not None else SHIFTER
 
     def __rrshift__(self, o: Any) -> Hdl:
         return self._lift(o) >> self
@@ -445,24 +483,28 @@ class Hdl:
     # ---- comparisons (1-bit results)
 
     def __lt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a < b)
+        return self._combine(o, lambda a, b: a < b, cost=self._compare_cost(o))
 
     def __le__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a <= b)
+        return self._combine(o, lambda a, b: a <= b, cost=self._compare_cost(o))
 
     def __gt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a > b)
+        return self._combine(o, lambda a, b: a > b, cost=self._compare_cost(o))
 
     def __ge__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a >= b)
+        return self._combine(o, lambda a, b: a >= b, cost=self._compare_cost(o))
 
     def __eq__(self, o: object) -> Hdl:  # type: ignore[override]
-        return self._combine(o, lambda a, b: a == b)
+        return self._combine(o, lambda a, b: a == b, cost=2 * LOGIC)
 
     def __ne__(self, o: object) -> Hdl:  # type: ignore[override]
-        return self._combine(o, lambda a, b: a != b)
+        return self._combine(o, lambda a, b: a != b, cost=2 * LOGIC)
 
     __hash__ = object.__hash__
+
+    def _compare_cost(self, o: Any) -> int:
+        """An order compare: a carry chain, or against a constant a few LUT levels."""
+        return 2 * LOGIC if self._lift(o).constant is not None else CARRY
 
     def __bool__(self) -> bool:
         raise TypeError("an HDL value has no truth value while the hardware is built; use fixedpoint.select")
@@ -489,7 +531,8 @@ class Hdl:
             raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
         k = key[1].stop
         channel = Hdl(self.graph, lambda ctx: ctx.channel, (), 0, False)
-        out = Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
+        out = Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False,
+                  cost=LOGIC)
         out.known = None if self.bound is None else self.bound.union(Interval(0, 0))
         return out
 
@@ -504,7 +547,7 @@ class Table(Hdl):
     def __init__(self, graph: Graph, values: np.ndarray) -> None:
         self.values = values
         channel = Hdl(graph, lambda ctx: ctx.channel, (), 0, False)
-        super().__init__(graph, self._read, (channel,), 0, False)
+        super().__init__(graph, self._read, (channel,), 0, False, cost=2 * LOGIC)
         if values.size:
             self.known = Interval(int(values.min()), int(values.max()))
 
@@ -684,18 +727,18 @@ class _HdlOps:
         pass_ = max(c.pass_, x.pass_, y.pass_)
         rate = c.per_row and x.per_row and y.per_row
         out = Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
-                  pass_, rate)
+                  pass_, rate, cost=LOGIC)
         if x.bound is not None and y.bound is not None:
             out.known = x.bound.union(y.bound)
         return out
 
     def land(self, a: Any, b: Any) -> Hdl:
         h = self._graph(a, b)
-        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False, cost=LOGIC)
 
     def lor(self, a: Any, b: Any) -> Hdl:
         h = self._graph(a, b)
-        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False, cost=LOGIC)
 
     def clamp(self, v: Any, lo: Any, hi: Any) -> Hdl:
         h = self._graph(v, lo, hi)
