@@ -108,11 +108,12 @@ class NormUnit(StreamUnit):
         self.graph, self.y = norm_graph(op)
         self._MustUse__silence = False
         self.passes = self.graph.passes()
-        self.row_depth, self.element_depth = self._depths()
+        self.pass_depths, self.row_depth, self.element_depth = self._depths()
         # a row holds its bank from its first input until its last element is read
-        # out, P·N + D + N + 2 cycles: with P + 1 + ceil((D + 2) / N) banks a row
-        # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 1)
-        self.banks = self.passes + 1 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
+        # out, P·N + S + D + N + 2 cycles (S: the passes' pipeline depths): with
+        # P + 1 + ceil((S + D + 2) / N) banks a row starts every N cycles (short
+        # rows: at most EXTRA_BANKS more than P + 1)
+        self.banks = self.passes + 1 + min(-(-(self._held + 2) // self.n), EXTRA_BANKS)
         # engines in turn, so a row's D + 1 clocks fit the N of each of E rows
         self.engines = min(-(-(self.row_depth + 1) // self.n), MAX_ENGINES)
         self._make_streams(op.in_fmt, op.out_fmt)
@@ -121,18 +122,26 @@ class NormUnit(StreamUnit):
     def cycles_per_row(self) -> int:
         """Steady-state cycles per row: N, or for short rows the row engines' limit
         (D + 1 clocks per row on each of E) or the bank ring's."""
-        occupancy = self.passes * self.n + self.row_depth + self.n + 2
+        occupancy = self.passes * self.n + self._held + self.n + 2
         return max(self.n, -(-(self.row_depth + 1) // self.engines), -(-occupancy // self.banks))
 
     @property
     def latency(self) -> int:
-        """First input accepted to first output valid: the passes, the row engine's
-        schedule, the element pipeline, and three registered hand-offs."""
-        return self.passes * self.n + self.row_depth + self.element_depth + 3
+        """First input accepted to first output valid: the passes and their
+        pipelines, the row engine's schedule, the element pipeline, and three
+        registered hand-offs."""
+        return self.passes * self.n + self._held + self.element_depth + 3
 
-    def _depths(self) -> tuple[int, int]:
-        """(D, L): the row engine's schedule length and the element chain's register
-        levels, from a trial elaboration (the divider's steps depend on operand widths)."""
+    @property
+    def _held(self) -> int:
+        """S + D: the clocks a row's bank waits, beyond its elements, for its sums
+        and the row engine."""
+        return sum(self.pass_depths) + self.row_depth
+
+    def _depths(self) -> tuple[list[int], int, int]:
+        """(the passes' pipeline depths, D, L): the accumulated terms' register levels,
+        the row engine's schedule length and the element chain's register levels,
+        from a trial elaboration (the divider's steps depend on operand widths)."""
         m = Module()
         m._MustUse__silence = True
         widths = {rs.slot: rs.width(64) for rs in self.graph.sums}
@@ -141,8 +150,12 @@ class NormUnit(StreamUnit):
         zero = Signal(range(2))
         row = Ctx(m, Signal(8), zero, zero, rows, sequential=True, step=Signal(16), busy=Signal())
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
+        passes = []
+        for p in range(self.passes):
+            acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
+            passes.append(max(s.term.staged(acc)[1] for s in self.graph.sums if s.term.pass_ == p))
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
-        return d, self.y.staged(elem)[1]
+        return passes, d, self.y.staged(elem)[1]
 
     def elaborate(self, platform: object) -> Module:
         m = Module()
@@ -157,14 +170,17 @@ class NormUnit(StreamUnit):
         active = [Array(phase)[ptr[s]] == want[s] for s in range(stages)]
         chan = [Signal(range(n), name=f"chan{s}") for s in range(stages)]
 
-        def hand_on(s: int, to: int) -> None:
-            m.d.sync += Array(phase)[ptr[s]].eq(to)
+        def hand_on(s: int, to: int | None) -> None:
+            """Stage s moves to the next bank, handing this one to phase ``to`` (None:
+            the stage sets the phase itself, later)."""
+            if to is not None:
+                m.d.sync += Array(phase)[ptr[s]].eq(to)
             with m.If(ptr[s] == banks - 1):
                 m.d.sync += ptr[s].eq(0)
             with m.Else():
                 m.d.sync += ptr[s].eq(ptr[s] + 1)
 
-        def count(s: int, step: Value, to: int) -> None:
+        def count(s: int, step: Value, to: int | None = None) -> None:
             """Count the stage's elements; the last one hands the bank on."""
             with m.If(step):
                 with m.If(chan[s] == n - 1):
@@ -195,18 +211,26 @@ class NormUnit(StreamUnit):
                 rd = buf.read_port(domain="comb")
                 m.d.comb += rd.addr.eq(ptr[p] * n + chan[p])
                 x, step = rd.data, active[p]
-            ctx = Ctx(m, x, chan[p], ptr[p], rows)
+            # the terms are pipelined (their element, step, last flag and bank move
+            # together), so the sums and the bank's hand-on come pass_depth clocks late
+            ctx = Ctx(m, x, chan[p], ptr[p], rows, pipelined=True)
+            late = self.pass_depths[p]
+            step_l, last_l = ctx.delay(step, 0, late), ctx.delay(step & (chan[p] == n - 1), 0, late)
+            bank_l = ctx.delay(ptr[p], 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
-                term = signed_value(rs.term.value(ctx))
+                value, level = rs.term.staged(ctx)
+                term = signed_value(ctx.delay(value, level, late))
                 width = rs.width(len(term))
                 acc = Signal(signed(width), name=f"acc{rs.slot}")
                 regs = slot_regs(rs.slot, width)
-                with m.If(step):
-                    with m.If(chan[p] == n - 1):
-                        m.d.sync += [Array(regs)[ptr[p]].eq(acc + term), acc.eq(0)]
+                with m.If(step_l):
+                    with m.If(last_l):
+                        m.d.sync += [Array(regs)[bank_l].eq(acc + term), acc.eq(0)]
                     with m.Else():
                         m.d.sync += acc.eq(acc + term)
-            count(p, step, p + 1 if p + 1 < p_count else row_ready)
+            with m.If(last_l):
+                m.d.sync += Array(phase)[bank_l].eq(p + 1 if p + 1 < p_count else row_ready)
+            count(p, step)
 
         # ---- the row engine: the per-row chain's schedule of D clocks, one row at a time
         for slot, v in graph.latched.items():
