@@ -285,10 +285,12 @@ class Hdl:
                 bits = bits_for(self.known.lo, self.known.hi)
                 if bits < len(v):  # narrower than Amaranth's widening
                     v = sized(v, self.known, self.name or "t", ctx.m)
-            keep = not isinstance(v, Const) and (self.iv is not None or self.uses > 1 or self.product)
+            ctx.depths[id(self)] = depth + self.cost + (LOGIC if self.banked else 0)  # (a bank read: a mux)
+            # a shared leaf (the element itself) is a port or a register already
+            shared = self.uses > 1 and ctx.depths[id(self)] > 0
+            keep = not isinstance(v, Const) and (self.iv is not None or shared or self.product)
             # a schedule holds a bank read anyway, and a shared compare feeds a select
             # in the same clock: neither needs a register of its own
-            ctx.depths[id(self)] = depth + self.cost + (LOGIC if self.banked else 0)  # (a bank read: a mux)
             if ctx.sequential and keep and not self.banked and (len(v) > 1 or self.iv is not None):
                 v, level = ctx.hold(v, self.name or "s", level), level + 1
                 ctx.depths[id(self)] = 0
