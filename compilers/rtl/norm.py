@@ -67,6 +67,7 @@ from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
 
 EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
+READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
 MAX_ENGINES = 2  # row engines: enough for one element per clock at N >= 64 (D <= 127)
 
 
@@ -128,9 +129,9 @@ class NormUnit(StreamUnit):
     @property
     def latency(self) -> int:
         """First input accepted to first output valid: the passes and their
-        pipelines, the row engine's schedule, the element pipeline, and three
-        registered hand-offs."""
-        return self.passes * self.n + self._held + self.element_depth + 3
+        pipelines, the row engine's schedule, the buffer read, the element
+        pipeline, and three registered hand-offs."""
+        return self.passes * self.n + self._held + READ_LATENCY + self.element_depth + 3
 
     @property
     def _held(self) -> int:
@@ -153,7 +154,8 @@ class NormUnit(StreamUnit):
         passes = []
         for p in range(self.passes):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
-            passes.append(max(s.term.staged(acc)[1] for s in self.graph.sums if s.term.pass_ == p))
+            depth = max(s.term.staged(acc)[1] for s in self.graph.sums if s.term.pass_ == p)
+            passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
         return passes, d, self.y.staged(elem)[1]
 
@@ -192,6 +194,26 @@ class NormUnit(StreamUnit):
         m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
         wr = buf.write_port()
 
+        def later(v: Value, enable: Value | None) -> Value:
+            reg = Signal(v.shape(), name="later")
+            with m.If(1 if enable is None else enable):
+                m.d.sync += reg.eq(v)
+            return reg
+
+        def buffer_read(s: int, step: Value, enable: Value | None) -> tuple[Value, Value, Value, Value]:
+            """Stage s's element from the row buffer READ_LATENCY clocks after its
+            address (the memory's read register, then one more: a block RAM's output
+            is slow), with its channel, bank and step delayed alike: (x, channel,
+            bank, step), advancing with ``enable`` (None: every clock)."""
+            rd = buf.read_port(domain="sync")
+            m.d.comb += rd.addr.eq(ptr[s] * n + chan[s])
+            if enable is not None:
+                m.d.comb += rd.en.eq(enable)
+            out = [later(rd.data, enable), chan[s], ptr[s], step]
+            for _ in range(READ_LATENCY):
+                out[1:] = [later(v, enable) for v in out[1:]]
+            return out[0], out[1], out[2], out[3]
+
         # per-row registers, one per bank, for every row sum and latched value
         rows: dict[int, list[Signal]] = {}
 
@@ -207,16 +229,17 @@ class NormUnit(StreamUnit):
                 step = self.in_valid & self.in_ready
                 m.d.comb += self.in_ready.eq(active[0])
                 m.d.comb += [wr.addr.eq(ptr[0] * n + chan[0]), wr.data.eq(self.in_data), wr.en.eq(step)]
+                here, bank, going = chan[0], ptr[0], step
+                late = self.pass_depths[p]
             else:
-                rd = buf.read_port(domain="comb")
-                m.d.comb += rd.addr.eq(ptr[p] * n + chan[p])
-                x, step = rd.data, active[p]
+                step = active[p]
+                x, here, bank, going = buffer_read(p, step, None)
+                late = self.pass_depths[p] - READ_LATENCY
             # the terms are pipelined (their element, step, last flag and bank move
             # together), so the sums and the bank's hand-on come pass_depth clocks late
-            ctx = Ctx(m, x, chan[p], ptr[p], rows, pipelined=True)
-            late = self.pass_depths[p]
-            step_l, last_l = ctx.delay(step, 0, late), ctx.delay(step & (chan[p] == n - 1), 0, late)
-            bank_l = ctx.delay(ptr[p], 0, late)
+            ctx = Ctx(m, x, here, bank, rows, pipelined=True)
+            step_l, last_l = ctx.delay(going, 0, late), ctx.delay(going & (here == n - 1), 0, late)
+            bank_l = ctx.delay(bank, 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
                 value, level = rs.term.staged(ctx)
                 term = signed_value(ctx.delay(value, level, late))
@@ -259,15 +282,14 @@ class NormUnit(StreamUnit):
 
         # ---- output pass: a pipeline of L levels, all stalled while the output waits
         o = p_count + 1
-        rd = buf.read_port(domain="comb")
-        m.d.comb += rd.addr.eq(ptr[o] * n + chan[o])
         advance = ~self.out_valid | self.out_ready
-        ctx = Ctx(m, rd.data, chan[o], ptr[o], rows, pipelined=True, enable=advance)
+        step = active[o] & advance
+        x, here, bank, going = buffer_read(o, step, advance)
+        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance)
         y, level = self.y.staged(ctx)
         if level != self.element_depth:
             raise RuntimeError(f"{self.op.name}: the element chain's depth differs from its trial elaboration")
-        step = active[o] & advance
-        valid = ctx.delay(step, 0, level)
+        valid = ctx.delay(going, 0, level)
         with m.If(advance):
             m.d.sync += [self.out_data.eq(y), self.out_valid.eq(valid)]
         count(o, step, 0)
