@@ -72,6 +72,7 @@ SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
 # an operand where its path would grow beyond it (ECP5 at 150 MHz: one carry
 # chain and a few LUTs per clock).
 LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
+DSP_BITS, DSP_LIMB = 18, 17  # a DSP block's signed multiplier port, and the unsigned limb of a wider operand
 DEPTH_BUDGET = 6
 
 
@@ -377,6 +378,7 @@ class Hdl:
 
     def __mul__(self, o: Any) -> Hdl:
         out = self._bounded(o, lambda a, b: a * b, lambda a, b: a * b, cost=PRODUCT)
+        out.fn = _product
         out.product = not any(h.constant is not None and h.constant & (h.constant - 1) == 0 for h in out.deps)
         out.cost = PRODUCT if out.product else 0  # by a power of two: wiring
         return out
@@ -427,7 +429,7 @@ class Hdl:
                     qbits = quotient_bits(n, d, a.bound, b.bound)
                     serial = divide_serial(ctx, n, d, qbits, a.bound is not None and a.bound.lo >= 0)
                     ctx.delays[("serial", key)] = serial
-                    ctx.delays[key] = serial.q, serial.r, serial.qbits + 1
+                    ctx.delays[key] = serial.q, serial.r, serial.qbits
                 else:
                     ctx.delays[key] = divide(ctx, n, d)
             q, r, steps = ctx.delays[key]
@@ -605,6 +607,24 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
     return q, r, level
 
 
+def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
+    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port (the
+    other fitting one) is split into limbs whose products are registered before
+    they are added, so each multiplier is one DSP block with a register after it."""
+    a, b = signed_value(va), signed_value(vb)
+    if len(a) > len(b):
+        a, b = b, a
+    if not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
+        return a * b
+    low = Cat(b[:DSP_LIMB], Const(0, 1)).as_signed()  # unsigned low limb
+    high = b[DSP_LIMB:].as_signed()  # the signed rest: b = high·2^limb + low
+    if ctx.sequential:
+        p_low, p_high = ctx.hold(a * low, "p_lo", ctx.level), ctx.hold(a * high, "p_hi", ctx.level)
+    else:
+        p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
+    return (p_high << DSP_LIMB) + p_low, 1
+
+
 def shifted_left(v: Interval, s: Interval) -> Interval:
     """The bound of ``v << s`` (s >= 0)."""
     lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
@@ -632,7 +652,7 @@ def quotient_bits(n: Value, d: Value, n_iv: Interval | None, d_iv: Interval | No
 class SerialDivider:
     """A :func:`divide_serial` divider: its results, and where its quotient bits
     appear (``nq[0]`` holds quotient bit ``qbits − 1 − j`` from clock
-    ``start + 2 + j``) for an isqrt that digests them as they come."""
+    ``start + 1 + j``) for an isqrt that digests them as they come."""
 
     q: Value
     r: Value
@@ -648,9 +668,9 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False
 
     n and d hold still while it runs (sequential).  The magnitude's low ``qbits``
     bits are the quotient's; the bits above them are the first partial remainder,
-    below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  Loaded
-    at the operands' level ℓ, it steps on ℓ + 1 … ℓ + qbits; q and r are valid
-    from ℓ + qbits + 1."""
+    below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  It
+    steps on the operands' level ℓ (the first step from the operands themselves)
+    … ℓ + qbits − 1; q and r are valid from ℓ + qbits."""
     start = ctx.level
     bits = max(len(n), len(d)) + 1
     neg = n < 0
@@ -658,12 +678,13 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False
     dd = d.as_unsigned()[: len(d)]
     rem = Signal(len(dd), name="div_r")  # the partial remainder, always below d
     nq = Signal(qbits, name="div_q")  # the numerator's bits shift out as the quotient's shift in
-    trial = Cat(nq[-1], rem)
+    first = ctx.at(start)
+    rem_in = Mux(first, mag[qbits:], rem)
+    nq_in = Mux(first, mag[:qbits], nq)
+    trial = Cat(nq_in[-1], rem_in)
     take = trial >= dd
-    with ctx.m.If(ctx.at(start)):
-        ctx.m.d.sync += [rem.eq(mag[qbits:]), nq.eq(mag[:qbits])]
-    with ctx.m.If(ctx.during(start + 1, start + qbits)):
-        ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq[:-1]))]
+    with ctx.m.If(ctx.during(start, start + qbits - 1)):
+        ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq_in[:-1]))]
     q = Mux(neg, -signed_value(nq), signed_value(nq))
     r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
     return SerialDivider(q, r, nq, start, qbits, nonneg)
@@ -701,7 +722,7 @@ def isqrt_of_quotient(ctx: Ctx, div: SerialDivider) -> tuple[Value, int]:
     (root, the absolute level it is valid from: one clock after the quotient)."""
     odd = div.qbits & 1  # the top pair is (0, the quotient's top bit)
     pairs = (div.qbits + odd) // 2
-    first = div.start + 3 - odd  # the clock the top pair is complete in nq[1:0]
+    first = div.start + 2 - odd  # the clock the top pair is complete in nq[1:0]
     last = first + 2 * (pairs - 1)
     rem = Signal(pairs + 2, name="root_rem")  # below 2·root + 1
     root = Signal(pairs + 1, name="root")
