@@ -15,33 +15,40 @@ the stages walk in order, each bank handed from stage to stage:
   bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …);
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
   need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
+  each pass's terms are pipelined, so its sums land S_p clocks after its last
+  element (S_p includes the buffer read's READ_LATENCY for p >= 1);
 * row — the per-row chain (ε, leading-zero split, inverse, multiplier a,
-  offset c, shift K) on one **row engine** that takes one row at a time: a
+  offset c, shift K) on a **row engine** that takes one row at a time: a
   schedule of D clocks (a sequential :class:`~compilers.rtl.values.Ctx`) where
   every value the op records or reuses is one register loaded at its clock,
   so the leading-zero search takes one clock per step, and each division and
   the isqrt is one compare-subtract per clock on one set of registers
   (:func:`~compilers.rtl.values.divide_serial`,
-  :func:`~compilers.rtl.values.isqrt_serial`); at clock D the results are
-  latched into the bank and the engine takes the next row on the same clock;
-* out — reads the buffer, one element per clock, through the element chain
-  (``x·a − c``, the rounding shift, the output window, gain, bias, rounding,
-  saturation) pipelined in L levels (a register after every multiply and
-  every recorded value), all stalled together while the output is not taken.
+  :func:`~compilers.rtl.values.isqrt_serial`; an isqrt of a quotient digests
+  its bits as the divider produces them); at clock D the results are latched
+  into the bank and the engine takes the next row on the same clock;
+* out — reads the buffer (READ_LATENCY clocks: the memory's read register and
+  one more), one element per clock, through the element chain (``x·a − c``,
+  the rounding shift, the output window, gain, bias, rounding, saturation)
+  pipelined in L levels, all stalled together while the output is not taken.
+
+Every pipeline and schedule also registers where an estimated path would
+outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
+product wider than a DSP port into registered limb products.
 
 The engine's hardware is one row's worth, not D levels of it: a row arrives
 only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
-N), MAX_ENGINES)`` engines take the rows in turn (int8 rows of 64: D = 20
-ShiftLayerNorm, 38 L1, 70 RMSNorm, 75 LayerNorm, whose division and square
-root take 52 clocks: one engine for L1 and Shift, two for RMS and LayerNorm)
-and N >= (D + 1) / E streams at **one element per clock**.
-``B = P + 1 + min(ceil((D + 2) / N), EXTRA_BANKS)`` banks: a bank is held from
-its row's first input until its last element is read out, P·N + D + N + 2
-cycles, so with B banks a new row starts every N cycles when the engine keeps
-up.  Rows shorter than (D + 1) / E take
-``max(ceil((D + 1) / E), ceil((P·N + D + N + 2) / B))`` cycles per row.  Latency, first
-input accepted to first output valid: ``P·N + D + L + 3`` cycles
-(``NormUnit.latency``).
+N), MAX_ENGINES)`` engines take the rows in turn, and N >= (D + 1) / E streams
+at **one element per clock**.  Int8 rows of 64: D = 61 IntLayerNorm (its
+division and the square root of the quotient: 33 clocks), 54 RMSNorm, 43 L1,
+29 ShiftLayerNorm, so one engine each; L = 12-13.  With S = Σ S_p,
+``B = P + 1 + min(ceil((S + D + 2) / N), EXTRA_BANKS)`` banks: a bank is held
+from its row's first input until its last element is read out,
+P·N + S + D + N + 2 cycles, so with B banks a new row starts every N cycles
+when the engines keep up.  Rows shorter than (D + 1) / E take
+``max(ceil((D + 1) / E), ceil((P·N + S + D + N + 2) / B))`` cycles per row.
+Latency, first input accepted to first output valid:
+``P·N + S + D + READ_LATENCY + L + 3`` cycles (``NormUnit.latency``).
 
 Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
 ``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
