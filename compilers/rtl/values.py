@@ -30,7 +30,20 @@ inputs); an operation first delays its operands to a common level, so every
 path is balanced and a new input may enter every clock.  A division becomes one
 compare-subtract register level per quotient bit (:func:`divide`).  The digit
 loops of the definition (``bit_length_search``, ``isqrt_digits``) reuse each
-step's value, so they become one level per step by the same rule.
+step's value, so they become one level per step by the same rule.  A shared
+leaf (the element itself) is already a port or register and is not registered
+again; a per-channel table is read where it is used, at the channel index
+delayed that far.
+
+Timing.  In a pipeline or a schedule each operation has an estimated logic
+depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
+would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
+its readers; a product whose wider operand exceeds a DSP port (:data:`DSP_BITS`,
+the other fitting) becomes registered limb products added a level later.
+Widths: besides the recorded values, every value whose operands have bounds
+(constants, recorded values, tables, and ``+ - *``, shifts, selects, divisions
+and roots of bounded values) gets a wire of its bound's width, where Amaranth's
+widening would be wider.
 
 Sequential.  A sequential :class:`Ctx` evaluates one row at a time on a
 schedule (a norm's per-row engine, where a new row arrives only every N
