@@ -69,7 +69,7 @@ from amaranth.hdl import (
 from amaranth.lib.memory import Memory
 
 from compilers.rtl.stream import StreamUnit, fmt_shape
-from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
+from compilers.rtl.values import CARRY, DEPTH_BUDGET, Ctx, Graph, Hdl, ProvenTrace, RowSum, signed_value
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
 
@@ -161,7 +161,7 @@ class NormUnit(StreamUnit):
         passes = []
         for p in range(self.passes):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
-            depth = max(s.term.staged(acc)[1] for s in self.graph.sums if s.term.pass_ == p)
+            depth = max(accumulated_term(acc, s)[1] for s in self.graph.sums if s.term.pass_ == p)
             passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
         return passes, d, self.y.staged(elem)[1]
@@ -248,7 +248,7 @@ class NormUnit(StreamUnit):
             step_l, last_l = ctx.delay(going, 0, late), ctx.delay(going & (here == n - 1), 0, late)
             bank_l = ctx.delay(bank, 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
-                value, level = rs.term.staged(ctx)
+                value, level = accumulated_term(ctx, rs)
                 term = signed_value(ctx.delay(value, level, late))
                 width = rs.width(len(term))
                 acc = Signal(signed(width), name=f"acc{rs.slot}")
@@ -301,6 +301,15 @@ class NormUnit(StreamUnit):
             m.d.sync += [self.out_data.eq(y), self.out_valid.eq(valid)]
         count(o, step, 0)
         return m
+
+
+def accumulated_term(ctx: Ctx, rs: RowSum) -> tuple[Value, int]:
+    """A row sum's term in a pass's pipeline, registered where its path and the
+    accumulator's add would outgrow a clock: (value, level)."""
+    value, level = rs.term.staged(ctx)
+    if ctx.depths.get(id(rs.term), 0) + CARRY > DEPTH_BUDGET:
+        value, level = ctx.cut(rs.term, value, level)
+    return value, level
 
 
 def rs_bits(v: Hdl) -> int:

@@ -283,15 +283,19 @@ class Hdl:
             parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late)]
             level = max((lv for _, lv in parts), default=0)
             timed = ctx.pipelined or ctx.sequential
-            depth = max((ctx.depth_of(d, lv, level) for d, (_, lv) in zip(self.deps, parts)), default=0)
+            depth = max((d.cost if t else ctx.depth_of(d, lv, level)
+                         for d, t, (_, lv) in zip(self.deps, late, parts)), default=0)
+            rom_register = False  # the tables read a level earlier, through a register
             if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
                 parts = [ctx.cut(d, v, lv) if ctx.depth_of(d, lv, level) and not t else (v, lv)
                          for d, t, (v, lv) in zip(self.deps, late, parts)]
-                level = max((lv for _, lv in parts), default=0)
-                depth = max((ctx.depth_of(d, lv, level) for d, (_, lv) in zip(self.deps, parts)), default=0)
+                rom_register = any(late)
+                level = max((lv for _, lv in parts), default=0) + (rom_register and level == 0)
+                depth = max((ctx.depth_of(d, lv, level) for d, t, (_, lv) in zip(self.deps, late, parts) if not t),
+                            default=0)
             ctx.level = level
-            got = self.fn(ctx, *(d.read_at(ctx, level) if t else ctx.delay(v, lv, level)  # type: ignore[attr-defined]
-                                 for d, t, (v, lv) in zip(self.deps, late, parts)))
+            got = self.fn(ctx, *(d.read_at(ctx, level, rom_register) if t  # type: ignore[attr-defined]
+                                 else ctx.delay(v, lv, level) for d, t, (v, lv) in zip(self.deps, late, parts)))
             v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)
@@ -579,11 +583,16 @@ class Table(Hdl):
         rom = Array(Const(v, shape) for v in vals)
         return rom[channel]
 
-    def read_at(self, ctx: Ctx, level: int) -> Value:
-        """The table read at pipeline level ``level``: at the element's channel delayed as far."""
-        key = ("table", id(self), level)
+    def read_at(self, ctx: Ctx, level: int, registered: bool = False) -> Value:
+        """The table read at pipeline level ``level``: at the element's channel delayed as
+        far, or (``registered``) one level earlier through a register (level >= 1)."""
+        key = ("table", id(self), level, registered)
         if key not in ctx.delays:
-            ctx.delays[key] = self._read(ctx, ctx.delay(ctx.channel, 0, level))
+            if registered:
+                read = self._read(ctx, ctx.delay(ctx.channel, 0, level - 1))
+                ctx.delays[key] = read if isinstance(read, Const) else ctx.register(read, "rom")
+            else:
+                ctx.delays[key] = self._read(ctx, ctx.delay(ctx.channel, 0, level))
         return ctx.delays[key]
 
     def __getitem__(self, key: Any) -> Hdl:
