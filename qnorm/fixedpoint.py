@@ -146,7 +146,8 @@ def _own_ops(*vals: Any) -> Any:
     A class with a ``fixedpoint_ops`` attribute (the RTL generator's HDL values,
     :mod:`compilers.rtl.values`) supplies ``select``, ``land``, ``lor``, ``clamp``
     and ``one_like``: the arithmetic bodies here then build hardware unchanged,
-    the way they build TIR.  None when no operand is of such a kind.
+    the way they build TIR; and ``isqrt`` (:func:`isqrt_digits`' loop, which
+    hardware may run as one digit per clock).  None when no operand is of such a kind.
     """
     for v in vals:
         ops = getattr(type(v), "fixedpoint_ops", None)
@@ -521,6 +522,8 @@ def isqrt(v: IntLike, max_input_bits: int = 62) -> IntLike:
     _check_range(v, 0, 1 << max_input_bits, "isqrt operand")
     if isinstance(v, np.ndarray) or _is_torch(v):
         return _isqrt_of_array(v)
+    if (own := _own_ops(v)) is not None:  # HDL: the same digit loop, one step per clock
+        return own.isqrt(v, max_input_bits)
     return isqrt_digits(v, max_input_bits)
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 pytest.importorskip("amaranth")
 
 from compilers.rtl import rtl_unit
+from compilers.rtl.norm import READ_LATENCY
 from compilers.rtl.sim import simulate
 from compilers.rtl.stream import stream_order
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
@@ -80,7 +81,7 @@ def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
     assert np.array_equal(np.diff(res.out_cycles), np.ones(n * rows - 1))
     norm = unit.elaboratable
     assert res.out_cycles[0] - res.in_cycles[0] == unit.latency
-    assert unit.latency == norm.passes * n + norm.row_depth + norm.element_depth + 2
+    assert unit.latency == norm.passes * n + sum(norm.pass_depths) + norm.row_depth + READ_LATENCY + norm.element_depth + 3
     assert unit.cycles_per_row == n and unit.elements_per_cycle == 1.0
 
 

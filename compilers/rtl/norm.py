@@ -15,25 +15,40 @@ the stages walk in order, each bank handed from stage to stage:
   bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …);
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
   need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
+  each pass's terms are pipelined, so its sums land S_p clocks after its last
+  element (S_p includes the buffer read's READ_LATENCY for p >= 1);
 * row — the per-row chain (ε, leading-zero split, inverse, multiplier a,
-  offset c, shift K) as a pipeline of D register levels: every value the op
-  records or reuses is a register, so the leading-zero search and the isqrt
-  take one level per step, and every division is a chain of one
-  compare-subtract level per quotient bit (:func:`~compilers.rtl.values.divide`);
-  the results are latched into the bank D clocks after it entered;
-* out — reads the buffer, one element per clock, through the element chain
-  (``x·a − c``, the rounding shift, the output window, gain, bias, rounding,
-  saturation) pipelined the same way in L levels, all stalled together while
-  the output is not taken.
+  offset c, shift K) on a **row engine** that takes one row at a time: a
+  schedule of D clocks (a sequential :class:`~compilers.rtl.values.Ctx`) where
+  every value the op records or reuses is one register loaded at its clock,
+  so the leading-zero search takes one clock per step, and each division and
+  the isqrt is one compare-subtract per clock on one set of registers
+  (:func:`~compilers.rtl.values.divide_serial`,
+  :func:`~compilers.rtl.values.isqrt_serial`; an isqrt of a quotient digests
+  its bits as the divider produces them); at clock D the results are latched
+  into the bank and the engine takes the next row on the same clock;
+* out — reads the buffer (READ_LATENCY clocks: the memory's read register and
+  one more), one element per clock, through the element chain (``x·a − c``,
+  the rounding shift, the output window, gain, bias, rounding, saturation)
+  pipelined in L levels, all stalled together while the output is not taken.
 
-``B = P + 2 + min(ceil((D + 2) / N), EXTRA_BANKS)``: a bank is held from its
-row's first input until its last element is read out, P·N + D + N + 1 cycles,
-so with that many banks a new row starts every N cycles and the unit accepts
-and emits **one element per clock** in steady state when N >= (D + 2) / 4
-(D = 87-243 for the int8 configs here: N = 64 streams at one element per clock).
-Shorter rows take
-``ceil((P·N + D + N + 1) / B)`` cycles per row.  Latency, first input accepted
-to first output valid: ``P·N + D + L + 2`` cycles (``NormUnit.latency``).
+Every pipeline and schedule also registers where an estimated path would
+outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
+product wider than a DSP port into registered limb products.
+
+The engine's hardware is one row's worth, not D levels of it: a row arrives
+only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
+N), MAX_ENGINES)`` engines take the rows in turn, and N >= (D + 1) / E streams
+at **one element per clock**.  Int8 rows of 64: D = 61 IntLayerNorm (its
+division and the square root of the quotient: 33 clocks), 54 RMSNorm, 43 L1,
+29 ShiftLayerNorm, so one engine each; L = 12-13.  With S = Σ S_p,
+``B = P + 1 + min(ceil((S + D + 2) / N), EXTRA_BANKS)`` banks: a bank is held
+from its row's first input until its last element is read out,
+P·N + S + D + N + 2 cycles, so with B banks a new row starts every N cycles
+when the engines keep up.  Rows shorter than (D + 1) / E take
+``max(ceil((D + 1) / E), ceil((P·N + S + D + N + 2) / B))`` cycles per row.
+Latency, first input accepted to first output valid:
+``P·N + S + D + READ_LATENCY + L + 3`` cycles (``NormUnit.latency``).
 
 Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
 ``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
@@ -54,11 +69,13 @@ from amaranth.hdl import (
 from amaranth.lib.memory import Memory
 
 from compilers.rtl.stream import StreamUnit, fmt_shape
-from compilers.rtl.values import Ctx, Graph, Hdl, ProvenTrace, signed_value
+from compilers.rtl.values import CARRY, DEPTH_BUDGET, Ctx, Graph, Hdl, ProvenTrace, RowSum, signed_value
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
 
-EXTRA_BANKS = 4  # row banks beyond P + 2 that hide the per-row pipeline (enough for N >= 48)
+EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
+READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
+MAX_ENGINES = 2  # row engines: enough for one element per clock at N >= 64 (D <= 127)
 
 
 def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
@@ -99,27 +116,39 @@ class NormUnit(StreamUnit):
         self.graph, self.y = norm_graph(op)
         self._MustUse__silence = False
         self.passes = self.graph.passes()
-        self.row_depth, self.element_depth = self._depths()
+        self.pass_depths, self.row_depth, self.element_depth = self._depths()
         # a row holds its bank from its first input until its last element is read
-        # out, P·N + D + N + 1 cycles: with P + 2 + ceil((D + 2) / N) banks a row
-        # starts every N cycles (short rows: at most EXTRA_BANKS more than P + 2)
-        self.banks = self.passes + 2 + min(-(-(self.row_depth + 2) // self.n), EXTRA_BANKS)
+        # out, P·N + S + D + N + 2 cycles (S: the passes' pipeline depths): with
+        # P + 1 + ceil((S + D + 2) / N) banks a row starts every N cycles (short
+        # rows: at most EXTRA_BANKS more than P + 1)
+        self.banks = self.passes + 1 + min(-(-(self._held + 2) // self.n), EXTRA_BANKS)
+        # engines in turn, so a row's D + 1 clocks fit the N of each of E rows
+        self.engines = min(-(-(self.row_depth + 1) // self.n), MAX_ENGINES)
         self._make_streams(op.in_fmt, op.out_fmt)
 
     @property
     def cycles_per_row(self) -> int:
-        """Steady-state cycles per row: N, or the bank ring's limit for short rows."""
-        occupancy = self.passes * self.n + self.row_depth + self.n + 1
-        return max(self.n, -(-occupancy // self.banks))
+        """Steady-state cycles per row: N, or for short rows the row engines' limit
+        (D + 1 clocks per row on each of E) or the bank ring's."""
+        occupancy = self.passes * self.n + self._held + self.n + 2
+        return max(self.n, -(-(self.row_depth + 1) // self.engines), -(-occupancy // self.banks))
 
     @property
     def latency(self) -> int:
-        """First input accepted to first output valid: the passes, the row pipeline,
-        the element pipeline, and two registered hand-offs."""
-        return self.passes * self.n + self.row_depth + self.element_depth + 2
+        """First input accepted to first output valid: the passes and their
+        pipelines, the row engine's schedule, the buffer read, the element
+        pipeline, and three registered hand-offs."""
+        return self.passes * self.n + self._held + READ_LATENCY + self.element_depth + 3
 
-    def _depths(self) -> tuple[int, int]:
-        """(D, L): the register levels of the per-row chain and of the element chain,
+    @property
+    def _held(self) -> int:
+        """S + D: the clocks a row's bank waits, beyond its elements, for its sums
+        and the row engine."""
+        return sum(self.pass_depths) + self.row_depth
+
+    def _depths(self) -> tuple[list[int], int, int]:
+        """(the passes' pipeline depths, D, L): the accumulated terms' register levels,
+        the row engine's schedule length and the element chain's register levels,
         from a trial elaboration (the divider's steps depend on operand widths)."""
         m = Module()
         m._MustUse__silence = True
@@ -127,15 +156,20 @@ class NormUnit(StreamUnit):
         widths.update({slot: rs_bits(v) for slot, v in self.graph.latched.items()})
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, zero, rows, pipelined=True)
+        row = Ctx(m, Signal(8), zero, zero, rows, sequential=True, step=Signal(16), busy=Signal())
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
+        passes = []
+        for p in range(self.passes):
+            acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
+            depth = max(accumulated_term(acc, s)[1] for s in self.graph.sums if s.term.pass_ == p)
+            passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
-        return d, self.y.staged(elem)[1]
+        return passes, d, self.y.staged(elem)[1]
 
     def elaborate(self, platform: object) -> Module:
         m = Module()
         n, banks, graph, p_count = self.n, self.banks, self.graph, self.passes
-        # bank phases: p = waiting for (or in) pass p; P: for the row pipeline;
+        # bank phases: p = waiting for (or in) pass p; P: for the row engine;
         # P + 1: in it; P + 2: for (or in) the output pass; back to 0 when read out
         row_ready, row_busy, out_ready = p_count, p_count + 1, p_count + 2
         phase = [Signal(range(p_count + 3), name=f"phase{b}") for b in range(banks)]
@@ -145,14 +179,17 @@ class NormUnit(StreamUnit):
         active = [Array(phase)[ptr[s]] == want[s] for s in range(stages)]
         chan = [Signal(range(n), name=f"chan{s}") for s in range(stages)]
 
-        def hand_on(s: int, to: int) -> None:
-            m.d.sync += Array(phase)[ptr[s]].eq(to)
+        def hand_on(s: int, to: int | None) -> None:
+            """Stage s moves to the next bank, handing this one to phase ``to`` (None:
+            the stage sets the phase itself, later)."""
+            if to is not None:
+                m.d.sync += Array(phase)[ptr[s]].eq(to)
             with m.If(ptr[s] == banks - 1):
                 m.d.sync += ptr[s].eq(0)
             with m.Else():
                 m.d.sync += ptr[s].eq(ptr[s] + 1)
 
-        def count(s: int, step: Value, to: int) -> None:
+        def count(s: int, step: Value, to: int | None = None) -> None:
             """Count the stage's elements; the last one hands the bank on."""
             with m.If(step):
                 with m.If(chan[s] == n - 1):
@@ -163,6 +200,26 @@ class NormUnit(StreamUnit):
 
         m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
         wr = buf.write_port()
+
+        def later(v: Value, enable: Value | None) -> Value:
+            reg = Signal(v.shape(), name="later")
+            with m.If(1 if enable is None else enable):
+                m.d.sync += reg.eq(v)
+            return reg
+
+        def buffer_read(s: int, step: Value, enable: Value | None) -> tuple[Value, Value, Value, Value]:
+            """Stage s's element from the row buffer READ_LATENCY clocks after its
+            address (the memory's read register, then one more: a block RAM's output
+            is slow), with its channel, bank and step delayed alike: (x, channel,
+            bank, step), advancing with ``enable`` (None: every clock)."""
+            rd = buf.read_port(domain="sync")
+            m.d.comb += rd.addr.eq(ptr[s] * n + chan[s])
+            if enable is not None:
+                m.d.comb += rd.en.eq(enable)
+            out = [later(rd.data, enable), chan[s], ptr[s], step]
+            for _ in range(READ_LATENCY):
+                out[1:] = [later(v, enable) for v in out[1:]]
+            return out[0], out[1], out[2], out[3]
 
         # per-row registers, one per bank, for every row sum and latched value
         rows: dict[int, list[Signal]] = {}
@@ -179,55 +236,80 @@ class NormUnit(StreamUnit):
                 step = self.in_valid & self.in_ready
                 m.d.comb += self.in_ready.eq(active[0])
                 m.d.comb += [wr.addr.eq(ptr[0] * n + chan[0]), wr.data.eq(self.in_data), wr.en.eq(step)]
+                here, bank, going = chan[0], ptr[0], step
+                late = self.pass_depths[p]
             else:
-                rd = buf.read_port(domain="comb")
-                m.d.comb += rd.addr.eq(ptr[p] * n + chan[p])
-                x, step = rd.data, active[p]
-            ctx = Ctx(m, x, chan[p], ptr[p], rows)
+                step = active[p]
+                x, here, bank, going = buffer_read(p, step, None)
+                late = self.pass_depths[p] - READ_LATENCY
+            # the terms are pipelined (their element, step, last flag and bank move
+            # together), so the sums and the bank's hand-on come pass_depth clocks late
+            ctx = Ctx(m, x, here, bank, rows, pipelined=True)
+            step_l, last_l = ctx.delay(going, 0, late), ctx.delay(going & (here == n - 1), 0, late)
+            bank_l = ctx.delay(bank, 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
-                term = signed_value(rs.term.value(ctx))
+                value, level = accumulated_term(ctx, rs)
+                term = signed_value(ctx.delay(value, level, late))
                 width = rs.width(len(term))
                 acc = Signal(signed(width), name=f"acc{rs.slot}")
                 regs = slot_regs(rs.slot, width)
-                with m.If(step):
-                    with m.If(chan[p] == n - 1):
-                        m.d.sync += [Array(regs)[ptr[p]].eq(acc + term), acc.eq(0)]
+                with m.If(step_l):
+                    with m.If(last_l):
+                        m.d.sync += [Array(regs)[bank_l].eq(acc + term), acc.eq(0)]
                     with m.Else():
                         m.d.sync += acc.eq(acc + term)
-            count(p, step, p + 1 if p + 1 < p_count else row_ready)
+            with m.If(last_l):
+                m.d.sync += Array(phase)[bank_l].eq(p + 1 if p + 1 < p_count else row_ready)
+            count(p, step)
 
-        # ---- the per-row chain: a pipeline of D register levels from the bank's sums
+        # ---- the row engine: the per-row chain's schedule of D clocks, one row at a time
         for slot, v in graph.latched.items():
             slot_regs(slot, rs_bits(v))
-        issue = active[p_count]
-        ctx = Ctx(m, self.in_data, chan[0], ptr[p_count], rows, pipelined=True)
-        results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
-        if max(level for _, level in results.values()) != self.row_depth:
-            raise RuntimeError(f"{self.op.name}: the per-row chain's depth differs from its trial elaboration")
-        done, bank = ctx.delay(issue, 0, self.row_depth), ctx.delay(ptr[p_count], 0, self.row_depth)
-        aligned = {slot: ctx.delay(v, level, self.row_depth) for slot, (v, level) in results.items()}
-        with m.If(issue):
-            hand_on(p_count, row_busy)
-        with m.If(done):  # (registers made inside an If would advance only under it)
-            for slot, v in aligned.items():
-                m.d.sync += Array(rows[slot])[bank].eq(v)
-            m.d.sync += Array(phase)[bank].eq(out_ready)
+        turn = Signal(range(self.engines), name="engine_turn")  # rows go to the engines in turn
+        for e in range(self.engines):
+            busy = Signal(name=f"engine{e}_busy")
+            step = Signal(range(self.row_depth + 1), name=f"engine{e}_step")
+            bank = Signal(range(banks), name=f"engine{e}_bank")
+            ctx = Ctx(m, self.in_data, chan[0], bank, rows, sequential=True, step=step, busy=busy)
+            results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
+            if max(level for _, level in results.values()) != self.row_depth:
+                raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
+            done = busy & (step == self.row_depth)
+            # the engine's next row starts on the clock this one ends
+            issue = active[p_count] & (turn == e) & (~busy | done)
+            with m.If(busy):
+                m.d.sync += step.eq(step + 1)
+            with m.If(done):
+                for slot, (v, _) in results.items():
+                    m.d.sync += Array(rows[slot])[bank].eq(v)
+                m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
+            with m.If(issue):
+                m.d.sync += [busy.eq(1), step.eq(0), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
+                hand_on(p_count, row_busy)
 
         # ---- output pass: a pipeline of L levels, all stalled while the output waits
         o = p_count + 1
-        rd = buf.read_port(domain="comb")
-        m.d.comb += rd.addr.eq(ptr[o] * n + chan[o])
         advance = ~self.out_valid | self.out_ready
-        ctx = Ctx(m, rd.data, chan[o], ptr[o], rows, pipelined=True, enable=advance)
+        step = active[o] & advance
+        x, here, bank, going = buffer_read(o, step, advance)
+        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance)
         y, level = self.y.staged(ctx)
         if level != self.element_depth:
             raise RuntimeError(f"{self.op.name}: the element chain's depth differs from its trial elaboration")
-        step = active[o] & advance
-        valid = ctx.delay(step, 0, level)
+        valid = ctx.delay(going, 0, level)
         with m.If(advance):
             m.d.sync += [self.out_data.eq(y), self.out_valid.eq(valid)]
         count(o, step, 0)
         return m
+
+
+def accumulated_term(ctx: Ctx, rs: RowSum) -> tuple[Value, int]:
+    """A row sum's term in a pass's pipeline, registered where its path and the
+    accumulator's add would outgrow a clock: (value, level)."""
+    value, level = rs.term.staged(ctx)
+    if ctx.depths.get(id(rs.term), 0) + CARRY > DEPTH_BUDGET:
+        value, level = ctx.cut(rs.term, value, level)
+    return value, level
 
 
 def rs_bits(v: Hdl) -> int:

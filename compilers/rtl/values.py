@@ -22,13 +22,42 @@ records and gives it the interval of the op's range report, so the named wire
 (``stat``, ``rsqrt``, ``mult``, ``xa``, ``acc`` …) is exactly as wide as
 ``op.ranges()`` says; truncating to it is exact because the report bounds it.
 
-Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value is a
-register and each value carries its level (registers since the stage's
+Pipelining.  In a pipelined :class:`Ctx` every recorded or reused value and
+every product (a register after each multiply: DSP blocks keep their output
+register, and the clock does not wait for a multiply and an add) is a register,
+and each value carries its level (registers since the stage's
 inputs); an operation first delays its operands to a common level, so every
 path is balanced and a new input may enter every clock.  A division becomes one
 compare-subtract register level per quotient bit (:func:`divide`).  The digit
 loops of the definition (``bit_length_search``, ``isqrt_digits``) reuse each
-step's value, so they become one level per step by the same rule.
+step's value, so they become one level per step by the same rule.  A shared
+leaf (the element itself) is already a port or register and is not registered
+again; a per-channel table is read where it is used, at the channel index
+delayed that far.
+
+Timing.  In a pipeline or a schedule each operation has an estimated logic
+depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
+would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
+its readers; a product whose wider operand exceeds a DSP port (:data:`DSP_BITS`,
+the other fitting) becomes registered limb products added a level later.
+Widths: besides the recorded values, every value whose operands have bounds
+(constants, recorded values, tables, and ``+ - *``, shifts, selects, divisions
+and roots of bounded values) gets a wire of its bound's width, where Amaranth's
+widening would be wider.
+
+Sequential.  A sequential :class:`Ctx` evaluates one row at a time on a
+schedule (a norm's per-row engine, where a new row arrives only every N
+clocks): levels are clock counts of the schedule, each recorded or reused value
+(and product; not a 1-bit compare, which feeds its select in the same clock,
+nor a read of the row's bank, which holds anyway) is one register loaded at
+the clock ``step == level`` and held until the next row, so operands need no
+delay registers; a division and the isqrt
+(:func:`qnorm.fixedpoint.isqrt` hands HDL values to :meth:`_HdlOps.isqrt`) run
+one compare-subtract per clock on a single set of registers
+(:func:`divide_serial`, :func:`isqrt_serial`), stepping through the same digits
+as the definition.  A division by a power-of-two constant is a shift in every
+context, and one whose operands are bounded (a recorded value, a constant, sums
+and products of them) takes only as many steps as its quotient has bits.
 
 Rates.  A value is per element or per row.  ``x.sum(...)`` (``_xp.row_sum``)
 turns a per-element value into a per-row one: an accumulator in the pass that
@@ -39,6 +68,7 @@ value that uses a per-row value of pass ``p`` belongs to pass ``p + 1`` (L1's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +77,16 @@ import numpy as np
 from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
 
 from qnorm.analysis import Interval
-from qnorm.fixedpoint import bits_for
+from qnorm.fixedpoint import bits_for, isqrt_digits
 
 SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
+# Estimated logic levels of one operation (a carry chain counts as three), and
+# the most a path between registers may have: a pipeline or schedule registers
+# an operand where its path would grow beyond it (ECP5 at 150 MHz: one carry
+# chain and a few LUTs per clock).
+LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
+DSP_BITS, DSP_LIMB = 18, 17  # a DSP block's signed multiplier port, and the unsigned limb of a wider operand
+DEPTH_BUDGET = 6
 
 
 def signed_value(v: Value) -> Value:
@@ -87,7 +124,14 @@ class Ctx:
     # a division is a chain of one compare-subtract stage per quotient bit
     pipelined: bool = False
     enable: Value | None = None
+    # sequential (module docstring): ``step`` counts the schedule's clocks while
+    # ``busy`` is high; ``level`` is that of the operands of the value being built
+    sequential: bool = False
+    step: Value | None = None
+    busy: Value | None = None
+    level: int = 0
     memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
+    depths: dict[int, int] = field(default_factory=dict)  # logic levels since a register, per Hdl
     delays: dict[tuple[int, int], Any] = field(default_factory=dict)
     keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
 
@@ -101,9 +145,46 @@ class Ctx:
                 self.m.d.sync += reg.eq(v)
         return reg
 
-    def delay(self, v: Value, level: int, to: int) -> Value:
-        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared."""
+    def depth_of(self, h: Hdl, level: int, to: int) -> int:
+        """The logic levels behind ``h``'s value (valid at ``level``) read at level ``to``:
+        none where a pipeline delays it through registers."""
+        return 0 if self.pipelined and level < to else self.depths.get(id(h), 0)
+
+    def cut(self, h: Hdl, v: Value, level: int) -> tuple[Value, int]:
+        """``h``'s value through a register (shared by its readers): its path ends here."""
         if isinstance(v, Const):
+            return v, level
+        reg = self.hold(v, "cut", level) if self.sequential else self.register(v, "cut")
+        self.memo[id(h)] = (reg, level + 1)
+        self.depths[id(h)] = 0
+        return reg, level + 1
+
+    def at(self, level: int) -> Value:
+        """High on the schedule's clock ``level`` (sequential)."""
+        key = ("at", level)
+        if key not in self.delays:
+            assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
+            hit = Signal(name=f"at{level}")
+            self.m.d.comb += hit.eq(self.busy & (self.step == level))
+            self.delays[key] = hit
+        return self.delays[key]
+
+    def during(self, first: int, last: int) -> Value:
+        """High on the schedule's clocks ``first`` … ``last`` (sequential)."""
+        assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
+        return self.busy & (self.step >= first) & (self.step <= last)
+
+    def hold(self, v: Value, name: str, level: int) -> Value:
+        """A register loaded with ``v`` at the schedule's clock ``level``, then held."""
+        reg = Signal(v.shape(), name=name)
+        with self.m.If(self.at(level)):
+            self.m.d.sync += reg.eq(v)
+        return reg
+
+    def delay(self, v: Value, level: int, to: int) -> Value:
+        """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared
+        (sequential: ``v`` itself, which holds until the next row)."""
+        if isinstance(v, Const) or self.sequential:
             return v
         base = id(v)
         self.keep.append(v)
@@ -159,7 +240,9 @@ class Graph:
         """A per-row value computed once (the row stage) and read back from the row's bank."""
         slot = self.new_slot()
         self.latched[slot] = v
-        return Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+        read = Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+        read.banked = True
+        return read
 
     def passes(self) -> int:
         """How many passes over the row the statistic takes (at least one: the input)."""
@@ -171,9 +254,15 @@ class Hdl:
     of ``deps`` (a leaf: of the context alone)."""
 
     def __init__(self, graph: Graph, fn: Callable[..., Value], deps: tuple[Hdl, ...], pass_: int, per_row: bool,
-                 iv: Interval | None = None, name: str | None = None) -> None:
+                 iv: Interval | None = None, name: str | None = None, cost: int = 0) -> None:
         self.graph, self.fn, self.deps, self.pass_, self.per_row = graph, fn, deps, pass_, per_row
         self.iv, self.name = iv, name
+        self.cost = cost  # estimated logic levels of the operation itself
+        self.constant: int | None = None  # the value of a lifted integer constant
+        self.known: Interval | None = None  # a bound derived from operands' bounds (see bound)
+        self.banked = False  # a read of the row's bank registers (held while its row is in a stage)
+        self.product = False  # a multiplier (not a power-of-two constant's shift): registered
+        self.quotient_of: tuple | None = None  # a division's quotient: its divider's key
         self.uses = 0  # how many expressions read this one: a shared value gets a wire of its own
         for d in deps:
             d.uses += 1
@@ -188,14 +277,44 @@ class Hdl:
         """The value and its pipeline level in ``ctx`` (always 0 unless pipelined)."""
         key = id(self)
         if key not in ctx.memo:
-            parts = [d.staged(ctx) for d in self.deps]
+            # a pipeline reads a per-channel table where it is used, at the channel's
+            # delayed index, rather than delaying the table's (wider) value
+            late = [ctx.pipelined and isinstance(d, Table) for d in self.deps]
+            parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late)]
             level = max((lv for _, lv in parts), default=0)
-            got = self.fn(ctx, *(ctx.delay(v, lv, level) for v, lv in parts))
+            timed = ctx.pipelined or ctx.sequential
+            depth = max((d.cost if t else ctx.depth_of(d, lv, level)
+                         for d, t, (_, lv) in zip(self.deps, late, parts)), default=0)
+            rom_register = False  # the tables read a level earlier, through a register
+            if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
+                parts = [ctx.cut(d, v, lv) if ctx.depth_of(d, lv, level) and not t else (v, lv)
+                         for d, t, (v, lv) in zip(self.deps, late, parts)]
+                rom_register = any(late)
+                level = max((lv for _, lv in parts), default=0) + (rom_register and level == 0)
+                depth = max((ctx.depth_of(d, lv, level) for d, t, (_, lv) in zip(self.deps, late, parts) if not t),
+                            default=0)
+            ctx.level = level
+            got = self.fn(ctx, *(d.read_at(ctx, level, rom_register) if t  # type: ignore[attr-defined]
+                                 else ctx.delay(v, lv, level) for d, t, (v, lv) in zip(self.deps, late, parts)))
             v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)
-            if ctx.pipelined and not isinstance(v, Const) and (self.iv is not None or self.uses > 1):
+            elif self.known is not None and not isinstance(v, Const):
+                bits = bits_for(self.known.lo, self.known.hi)
+                if bits < len(v):  # narrower than Amaranth's widening
+                    v = sized(v, self.known, self.name or "t", ctx.m)
+            ctx.depths[id(self)] = depth + self.cost + (LOGIC if self.banked else 0)  # (a bank read: a mux)
+            # a shared leaf (the element itself) is a port or a register already
+            shared = self.uses > 1 and ctx.depths[id(self)] > 0
+            keep = not isinstance(v, Const) and (self.iv is not None or shared or self.product)
+            # a schedule holds a bank read anyway, and a shared compare feeds a select
+            # in the same clock: neither needs a register of its own
+            if ctx.sequential and keep and not self.banked and (len(v) > 1 or self.iv is not None):
+                v, level = ctx.hold(v, self.name or "s", level), level + 1
+                ctx.depths[id(self)] = 0
+            elif ctx.pipelined and keep:
                 v, level = ctx.register(v, self.name or "p"), level + 1
+                ctx.depths[id(self)] = 0
             elif self.uses > 1 and self.iv is None:
                 # a wire, so the expression is not copied into every reader (the
                 # digit loops reuse each step's value twice: a tree would double per step)
@@ -211,6 +330,16 @@ class Hdl:
         self.name = name
 
     @property
+    def bound(self) -> Interval | None:
+        """A proven interval of this value where one is known: the op's (recorded
+        values), a constant's own, or one derived through ``+``, ``-``, ``*``."""
+        if self.iv is not None:
+            return self.iv
+        if self.constant is not None:
+            return Interval(self.constant, self.constant)
+        return self.known
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The trailing shape one element stands for (the ops' shape checks read it)."""
         return self.graph.shape
@@ -223,38 +352,53 @@ class Hdl:
         if isinstance(o, (bool, np.bool_)):
             return Hdl(self.graph, lambda ctx, k=int(o): Const(k, 1), (), 0, True)
         if isinstance(o, (int, np.integer)):
-            return Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
+            lifted = Hdl(self.graph, lambda ctx, k=int(o): const(k), (), 0, True)
+            lifted.constant = int(o)
+            return lifted
         if isinstance(o, np.ndarray) and o.ndim == 0:
             return self._lift(int(o))
         raise TypeError(f"an HDL value combines with integers and HDL values, not {type(o).__name__}")
 
-    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True) -> Hdl:
+    def _combine(self, o: Any, f: Callable[[Value, Value], Value], arith: bool = True, cost: int = CARRY) -> Hdl:
         a, b = self, self._lift(o)
 
         def build(ctx: Ctx, va: Value, vb: Value) -> Value:
             return f(signed_value(va), signed_value(vb)) if arith else f(va, vb)
 
-        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row, cost=cost)
 
-    def _unary(self, f: Callable[[Value], Value]) -> Hdl:
-        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row)
+    def _bounded(self, o: Any, f: Callable[[Value, Value], Value], g: Callable[[Interval, Interval], Interval],
+                 cost: int = CARRY) -> Hdl:
+        """:meth:`_combine`, with the result's bound ``g`` of the operands' where both have one."""
+        out = self._combine(o, f, cost=cost)
+        a, b = out.deps
+        if a.bound is not None and b.bound is not None:
+            out.known = g(a.bound, b.bound)
+        return out
+
+    def _unary(self, f: Callable[[Value], Value], cost: int = CARRY) -> Hdl:
+        return Hdl(self.graph, lambda ctx, v: f(signed_value(v)), (self,), self.pass_, self.per_row, cost=cost)
 
     # ---- arithmetic (Python-integer semantics)
 
     def __add__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a + b)
+        return self._bounded(o, lambda a, b: a + b, lambda a, b: a + b)
 
     def __radd__(self, o: Any) -> Hdl:
         return self._lift(o) + self
 
     def __sub__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a - b)
+        return self._bounded(o, lambda a, b: a - b, lambda a, b: a - b)
 
     def __rsub__(self, o: Any) -> Hdl:
         return self._lift(o) - self
 
     def __mul__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a * b)
+        out = self._bounded(o, lambda a, b: a * b, lambda a, b: a * b, cost=PRODUCT)
+        out.fn = _product
+        out.product = not any(h.constant is not None and h.constant & (h.constant - 1) == 0 for h in out.deps)
+        out.cost = PRODUCT if out.product else 0  # by a power of two: wiring
+        return out
 
     def __rmul__(self, o: Any) -> Hdl:
         return self._lift(o) * self
@@ -269,54 +413,90 @@ class Hdl:
         return self._divide(o, quotient=False)
 
     def _divide(self, o: Any, quotient: bool) -> Hdl:
-        """Floor division or modulo: combinational, or pipelined (:func:`divide`)."""
+        """Floor division or modulo: a shift and a mask by a power-of-two constant;
+        else combinational, pipelined (:func:`divide`) or serial (:func:`divide_serial`)."""
         a, b = self, self._lift(o)
+        out = self._divider(b, quotient)
+        if a.bound is not None and b.bound is not None and b.bound.lo > 0:
+            n, d = a.bound, b.bound
+            if quotient:  # n // d is monotone in n, and in d for either sign of n
+                out.known = Interval.hull(*(x // y for x in (n.lo, n.hi) for y in (d.lo, d.hi)))
+            else:
+                out.known = Interval(0, d.hi - 1)
+        return out
+
+    def _divider(self, b: Hdl, quotient: bool) -> Hdl:
+        a = self
+        k = b.constant
+        if k is not None and k > 0 and k & (k - 1) == 0:
+            s = k.bit_length() - 1
+            if quotient:
+                return a._unary(lambda n: n >> s, cost=0)
+            return a._unary(lambda n: Cat(n[:s], Const(0, 1)).as_signed(), cost=0)
+        # the operands by identity (a constant by value): n // d and n % d share one divider
+        key = ("div", *((h.constant,) if h.constant is not None else (id(h), h) for h in (a, b)))
 
         def build(ctx: Ctx, n: Value, d: Value) -> Value | tuple[Value, int]:
             n, d = signed_value(n), signed_value(d)
-            if not ctx.pipelined:
+            if not (ctx.pipelined or ctx.sequential):
                 return n // d if quotient else n % d
-            key = (id(n), id(d))
             if key not in ctx.delays:  # one divider gives both results
                 ctx.keep += [n, d]
-                ctx.delays[key] = divide(ctx, n, d)
+                if ctx.sequential:
+                    qbits = quotient_bits(n, d, a.bound, b.bound)
+                    serial = divide_serial(ctx, n, d, qbits, a.bound is not None and a.bound.lo >= 0)
+                    ctx.delays[("serial", key)] = serial
+                    ctx.delays[key] = serial.q, serial.r, serial.qbits
+                else:
+                    ctx.delays[key] = divide(ctx, n, d)
             q, r, steps = ctx.delays[key]
             return (q if quotient else r), steps
 
-        return Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row)
+        out = Hdl(self.graph, build, (a, b), max(a.pass_, b.pass_), a.per_row and b.per_row, cost=CARRY + LOGIC)
+        if quotient:
+            out.quotient_of = key
+        return out
 
     def __rmod__(self, o: Any) -> Hdl:
         return self._lift(o) % self
 
     def __neg__(self) -> Hdl:
-        return self._unary(lambda a: -a)
+        out = self._unary(lambda a: -a)
+        out.known = None if self.bound is None else -self.bound
+        return out
 
     def __abs__(self) -> Hdl:
-        return self._unary(lambda a: Mux(a < 0, -a, a))
+        out = self._unary(lambda a: Mux(a < 0, -a, a), cost=CARRY + LOGIC)
+        out.known = None if self.bound is None else self.bound.abs()
+        return out
 
     def __and__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a & b)
+        return self._combine(o, lambda a, b: a & b, cost=LOGIC)
 
     __rand__ = __and__
 
     def __or__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a | b)
+        return self._combine(o, lambda a, b: a | b, cost=LOGIC)
 
     __ror__ = __or__
 
     def __xor__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a ^ b)
+        return self._combine(o, lambda a, b: a ^ b, cost=LOGIC)
 
     __rxor__ = __xor__
 
     def __lshift__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS])
+        return self._bounded(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS], shifted_left, self._shift_cost(o))
 
     def __rlshift__(self, o: Any) -> Hdl:
         return self._lift(o) << self
 
     def __rshift__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS])
+        return self._bounded(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS], shifted_right, self._shift_cost(o))
+
+    def _shift_cost(self, amount: Any) -> int:
+        """A shift by a constant is wiring; by a value, a barrel shifter."""
+        return 0 if self._lift(amount).constant is not None else SHIFTER
 
     def __rrshift__(self, o: Any) -> Hdl:
         return self._lift(o) >> self
@@ -324,24 +504,28 @@ class Hdl:
     # ---- comparisons (1-bit results)
 
     def __lt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a < b)
+        return self._combine(o, lambda a, b: a < b, cost=self._compare_cost(o))
 
     def __le__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a <= b)
+        return self._combine(o, lambda a, b: a <= b, cost=self._compare_cost(o))
 
     def __gt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a > b)
+        return self._combine(o, lambda a, b: a > b, cost=self._compare_cost(o))
 
     def __ge__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a >= b)
+        return self._combine(o, lambda a, b: a >= b, cost=self._compare_cost(o))
 
     def __eq__(self, o: object) -> Hdl:  # type: ignore[override]
-        return self._combine(o, lambda a, b: a == b)
+        return self._combine(o, lambda a, b: a == b, cost=2 * LOGIC)
 
     def __ne__(self, o: object) -> Hdl:  # type: ignore[override]
-        return self._combine(o, lambda a, b: a != b)
+        return self._combine(o, lambda a, b: a != b, cost=2 * LOGIC)
 
     __hash__ = object.__hash__
+
+    def _compare_cost(self, o: Any) -> int:
+        """An order compare: a carry chain, or against a constant a few LUT levels."""
+        return 2 * LOGIC if self._lift(o).constant is not None else CARRY
 
     def __bool__(self) -> bool:
         raise TypeError("an HDL value has no truth value while the hardware is built; use fixedpoint.select")
@@ -357,6 +541,7 @@ class Hdl:
         acc = RowSum(graph.new_slot(), self)
         graph.sums.append(acc)
         acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], (), self.pass_ + 1, True)
+        acc.result.banked = True
         return acc.result
 
     def __getitem__(self, key: Any) -> Hdl:
@@ -367,7 +552,10 @@ class Hdl:
             raise TypeError(f"an HDL row takes only prefixes x[..., :k], not {key!r}")
         k = key[1].stop
         channel = Hdl(self.graph, lambda ctx: ctx.channel, (), 0, False)
-        return Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False)
+        out = Hdl(self.graph, lambda ctx, v, c: Mux(c < k, signed_value(v), 0), (self, channel), self.pass_, False,
+                  cost=LOGIC)
+        out.known = None if self.bound is None else self.bound.union(Interval(0, 0))
+        return out
 
     def const_like(self, values: np.ndarray) -> Hdl:
         """Per-channel constants as a ROM of their exact width, read at the element's channel."""
@@ -380,7 +568,9 @@ class Table(Hdl):
     def __init__(self, graph: Graph, values: np.ndarray) -> None:
         self.values = values
         channel = Hdl(graph, lambda ctx: ctx.channel, (), 0, False)
-        super().__init__(graph, self._read, (channel,), 0, False)
+        super().__init__(graph, self._read, (channel,), 0, False, cost=2 * LOGIC)
+        if values.size:
+            self.known = Interval(int(values.min()), int(values.max()))
 
     def _read(self, ctx: Ctx, channel: Value) -> Value:
         if self.values.ndim > 1 and self.values.shape != self.graph.shape:
@@ -392,6 +582,18 @@ class Table(Hdl):
         shape = signed(bits_for(lo, hi))
         rom = Array(Const(v, shape) for v in vals)
         return rom[channel]
+
+    def read_at(self, ctx: Ctx, level: int, registered: bool = False) -> Value:
+        """The table read at pipeline level ``level``: at the element's channel delayed as
+        far, or (``registered``) one level earlier through a register (level >= 1)."""
+        key = ("table", id(self), level, registered)
+        if key not in ctx.delays:
+            if registered:
+                read = self._read(ctx, ctx.delay(ctx.channel, 0, level - 1))
+                ctx.delays[key] = read if isinstance(read, Const) else ctx.register(read, "rom")
+            else:
+                ctx.delays[key] = self._read(ctx, ctx.delay(ctx.channel, 0, level))
+        return ctx.delays[key]
 
     def __getitem__(self, key: Any) -> Hdl:
         if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
@@ -427,6 +629,136 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
     return q, r, level
 
 
+def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
+    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port (the
+    other fitting one) is split into limbs whose products are registered before
+    they are added, so each multiplier is one DSP block with a register after it."""
+    a, b = signed_value(va), signed_value(vb)
+    if len(a) > len(b):
+        a, b = b, a
+    if not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
+        return a * b
+    low = Cat(b[:DSP_LIMB], Const(0, 1)).as_signed()  # unsigned low limb
+    high = b[DSP_LIMB:].as_signed()  # the signed rest: b = high·2^limb + low
+    if ctx.sequential:
+        p_low, p_high = ctx.hold(a * low, "p_lo", ctx.level), ctx.hold(a * high, "p_hi", ctx.level)
+    else:
+        p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
+    return (p_high << DSP_LIMB) + p_low, 1
+
+
+def shifted_left(v: Interval, s: Interval) -> Interval:
+    """The bound of ``v << s`` (s >= 0)."""
+    lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
+    return Interval.hull(v.lo << lo, v.lo << hi, v.hi << lo, v.hi << hi)
+
+
+def shifted_right(v: Interval, s: Interval) -> Interval:
+    """The bound of ``v >> s`` (s >= 0): a floor shift moves toward 0 or −1."""
+    lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
+    return Interval.hull(v.lo >> lo, v.lo >> hi, v.hi >> lo, v.hi >> hi)
+
+
+def quotient_bits(n: Value, d: Value, n_iv: Interval | None, d_iv: Interval | None) -> int:
+    """How many quotient bits :func:`divide_serial` must produce for ``n // d`` (d > 0):
+    from the operands' bounds where both are known, else from their widths."""
+    bits = max(len(n), len(d)) + 1
+    if n_iv is None or d_iv is None or d_iv.lo < 1:
+        return bits
+    # the magnitude divided: n, or −n + d − 1 for a negative n
+    mag = max(n_iv.hi, -n_iv.lo + d_iv.hi - 1 if n_iv.lo < 0 else 0, 0)
+    return min(max((mag // d_iv.lo).bit_length(), 1), bits)
+
+
+@dataclass(frozen=True, eq=False)
+class SerialDivider:
+    """A :func:`divide_serial` divider: its results, and where its quotient bits
+    appear (``nq[0]`` holds quotient bit ``qbits − 1 − j`` from clock
+    ``start + 1 + j``) for an isqrt that digests them as they come."""
+
+    q: Value
+    r: Value
+    nq: Signal
+    start: int
+    qbits: int
+    nonneg: bool  # the dividend is proven >= 0: q is nq itself
+
+
+def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False) -> SerialDivider:
+    """Floor quotient and modulo of ``n`` by ``d > 0`` on one row's schedule: the
+    restoring steps of :func:`divide`, one per clock on one remainder register.
+
+    n and d hold still while it runs (sequential).  The magnitude's low ``qbits``
+    bits are the quotient's; the bits above them are the first partial remainder,
+    below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  It
+    steps on the operands' level ℓ (the first step from the operands themselves)
+    … ℓ + qbits − 1; q and r are valid from ℓ + qbits."""
+    start = ctx.level
+    bits = max(len(n), len(d)) + 1
+    neg = n < 0
+    mag = Mux(neg, -n + d - 1, n).as_unsigned()[:bits]
+    dd = d.as_unsigned()[: len(d)]
+    rem = Signal(len(dd), name="div_r")  # the partial remainder, always below d
+    nq = Signal(qbits, name="div_q")  # the numerator's bits shift out as the quotient's shift in
+    first = ctx.at(start)
+    rem_in = Mux(first, mag[qbits:], rem)
+    nq_in = Mux(first, mag[:qbits], nq)
+    trial = Cat(nq_in[-1], rem_in)
+    take = trial >= dd
+    with ctx.m.If(ctx.during(start, start + qbits - 1)):
+        ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq_in[:-1]))]
+    q = Mux(neg, -signed_value(nq), signed_value(nq))
+    r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
+    return SerialDivider(q, r, nq, start, qbits, nonneg)
+
+
+def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
+    """:func:`qnorm.fixedpoint.isqrt_digits` on one row's schedule: its digit steps,
+    one per clock, on one remainder, result and bit register.  Loaded at the
+    operand's level ℓ (v >= 0 holds still), it steps on ℓ + 1 … ℓ + S: (root, S + 1)."""
+    start = ctx.level
+    top = max_input_bits + (max_input_bits & 1)
+    steps = top // 2 + 1
+    width = top + 2
+    rem = Signal(max(len(v), width), name="isqrt_rem")
+    res = Signal(width, name="isqrt_res")
+    bit = Signal(width, name="isqrt_bit")  # 4^k of the current digit: one-hot
+    trial = res + bit
+    take = rem >= trial
+    with ctx.m.If(ctx.at(start)):
+        ctx.m.d.sync += [rem.eq(v.as_unsigned()), res.eq(0), bit.eq(1 << top)]
+    with ctx.m.If(ctx.during(start + 1, start + steps)):
+        ctx.m.d.sync += [
+            rem.eq(Mux(take, rem - trial, rem)),
+            res.eq(Mux(take, (res >> 1) + bit, res >> 1)),
+            bit.eq(bit >> 2),
+        ]
+    return signed_value(res), steps + 1
+
+
+def isqrt_of_quotient(ctx: Ctx, div: SerialDivider) -> tuple[Value, int]:
+    """The floor square root of a serial divider's non-negative quotient, digested
+    two quotient bits at a time as the divider produces them (its digits are
+    :func:`qnorm.fixedpoint.isqrt_digits`': the root's bits from the top, each the
+    outcome of one compare-subtract; pairs above the quotient's ``qbits`` are 0).
+    (root, the absolute level it is valid from: one clock after the quotient)."""
+    odd = div.qbits & 1  # the top pair is (0, the quotient's top bit)
+    pairs = (div.qbits + odd) // 2
+    first = div.start + 2 - odd  # the clock the top pair is complete in nq[1:0]
+    last = first + 2 * (pairs - 1)
+    rem = Signal(pairs + 2, name="root_rem")  # below 2·root + 1
+    root = Signal(pairs + 1, name="root")
+    high = Mux(ctx.at(first), 0, div.nq[1]) if odd else div.nq[1]
+    grown = Cat(div.nq[0], high, rem)  # 4·rem + the next pair
+    trial = Cat(Const(1, 2), root)  # 4·root + 1
+    take = grown >= trial
+    with ctx.m.If(ctx.at(div.start)):
+        ctx.m.d.sync += [rem.eq(0), root.eq(0)]
+    with ctx.m.If(ctx.during(first, last) & (ctx.step[0] == (first & 1))):
+        ctx.m.d.sync += [rem.eq(Mux(take, grown - trial, grown)), root.eq(Cat(take, root))]
+    return signed_value(root), last + 1
+
+
 class _HdlOps:
     """The primitives :mod:`qnorm.fixedpoint` takes from an operand kind of its own."""
 
@@ -439,16 +771,19 @@ class _HdlOps:
         c, x, y = h._lift(cond), h._lift(a), h._lift(b)
         pass_ = max(c.pass_, x.pass_, y.pass_)
         rate = c.per_row and x.per_row and y.per_row
-        return Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
-                   pass_, rate)
+        out = Hdl(h.graph, lambda ctx, vc, vx, vy: Mux(vc, signed_value(vx), signed_value(vy)), (c, x, y),
+                  pass_, rate, cost=LOGIC)
+        if x.bound is not None and y.bound is not None:
+            out.known = x.bound.union(y.bound)
+        return out
 
     def land(self, a: Any, b: Any) -> Hdl:
         h = self._graph(a, b)
-        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() & q.bool(), arith=False, cost=LOGIC)
 
     def lor(self, a: Any, b: Any) -> Hdl:
         h = self._graph(a, b)
-        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False)
+        return h._lift(a)._combine(b, lambda p, q: p.bool() | q.bool(), arith=False, cost=LOGIC)
 
     def clamp(self, v: Any, lo: Any, hi: Any) -> Hdl:
         h = self._graph(v, lo, hi)
@@ -458,6 +793,27 @@ class _HdlOps:
 
     def one_like(self, s: Any) -> Hdl:
         return s._lift(1)
+
+    def isqrt(self, v: Hdl, max_input_bits: int) -> Hdl:
+        """``isqrt_digits(v)``: serial in a sequential context, else the unrolled loop."""
+        unrolled = isqrt_digits(v, max_input_bits)
+
+        def build(ctx: Ctx, value: Value) -> tuple[Value, int]:
+            serial = ctx.delays.get(("serial", v.quotient_of)) if ctx.sequential else None
+            if isinstance(serial, SerialDivider) and serial.nonneg:
+                root, valid = isqrt_of_quotient(ctx, serial)
+                return root, max(valid - ctx.level, 0)
+            if ctx.sequential:
+                return isqrt_serial(ctx, value, max_input_bits)
+            base = ctx.level  # the operand's level (staging the loop moves ctx.level)
+            out, level = unrolled.staged(ctx)
+            return out, level - base
+
+        out = Hdl(v.graph, build, (v,), v.pass_, v.per_row)
+        top = max_input_bits + (max_input_bits & 1)
+        hi = 1 << (top // 2 + 1) if v.bound is None else math.isqrt(max(v.bound.hi, 0))
+        out.known = Interval(0 if v.bound is None else math.isqrt(max(v.bound.lo, 0)), hi)
+        return out
 
 
 Hdl.fixedpoint_ops = _HdlOps()
