@@ -1,9 +1,14 @@
-"""What the whole-model deployment tests share: the two one-block integer transformers, a
-briefly trained model, and the QAT model's output integers to compare a compiled one with."""
+"""What the whole-model deployment tests share: the tiny mixer and SNN, the two one-block
+integer transformers, a briefly trained model, a private compile cache per test module, the
+skip for a missing cross toolchain, and the QAT model's output integers to compare a compiled
+one with."""
 
+from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -11,6 +16,9 @@ from torch.utils.data import TensorDataset
 from qnorm.train.data import load_digits_data
 from qnorm.train.loop import seed_everything, train
 from qnorm.train.models import build_model
+
+TINY_MIXER = {"dim": 16, "depth": 1, "token_hidden": 8, "channel_hidden": 16}
+TINY_SNN = {"neuron": "int_mpbn_lif", "pow2": True, "channels": (4, 8), "time_steps": 2}
 
 # One block keeps the compile short; the block is what the full models repeat.
 TRANSFORMER_VARIANTS = {
@@ -48,3 +56,21 @@ def qat_integers(model: nn.Module, x: torch.Tensor, scale: float) -> np.ndarray:
         k = model(x).numpy().astype(np.float64) / scale
     assert np.array_equal(k, np.rint(k))
     return k.astype(np.int32)
+
+
+def private_cache(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A fresh ``QNORM_CACHE`` for one test module (a module-scoped fixture yields from it), so
+    what a module compiles never comes from another module's or an earlier run's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp(name)
+        patch.setenv("QNORM_CACHE", str(path))
+        yield path
+
+
+def needs_tools(target: str) -> None:
+    """Skip, naming the Debian packages, where ``target``'s cross toolchain is missing."""
+    from compilers.tvm import cross  # imports TVM: only the modules that compile need it
+
+    missing = cross.missing_tools(target)
+    if missing is not None:
+        pytest.skip(missing)

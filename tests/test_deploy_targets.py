@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from deploy_helpers import briefly_trained, qat_integers
+from deploy_helpers import TINY_MIXER, TINY_SNN, briefly_trained, needs_tools, private_cache, qat_integers
 
 from compilers.tvm import cross
 from compilers.tvm.c_api import FILES, CApiModel
@@ -22,22 +22,11 @@ from qnorm.cli import main
 from qnorm.train.checkpoint import save_checkpoint
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-TINY_MIXER = {"dim": 16, "depth": 1, "token_hidden": 8, "channel_hidden": 16}
-TINY_SNN = {"neuron": "int_mpbn_lif", "pow2": True, "channels": (4, 8), "time_steps": 2}
-
-
-def needs_tools(target: str) -> None:
-    missing = cross.missing_tools(target)
-    if missing is not None:
-        pytest.skip(missing)
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("deploy-cache")
-        patch.setenv("QNORM_CACHE", str(path))
-        yield path
+    yield from private_cache(tmp_path_factory, "deploy-cache")
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,16 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip install -e '.[fpga]')")
+
+import deploy_helpers
+from deploy_helpers import TINY_MIXER, TINY_SNN, private_cache
 
 from compilers.rtl import project, rtl_unit, testbench
 from compilers.rtl.layers import RtlLayer, model_layers
@@ -31,32 +32,19 @@ from qnorm.cli import main
 from qnorm.deploy import integer_ops
 from qnorm.errors import DeployError
 from qnorm.train.checkpoint import load_checkpoint, save_checkpoint
-from qnorm.train.data import load_digits_data
-from qnorm.train.loop import seed_everything, train
 from qnorm.train.models import build_model
 
-# The tiny models of tests/test_deploy_targets.py (whose module imports tvm: not needed here).
-TINY_MIXER = {"dim": 16, "depth": 1, "token_hidden": 8, "channel_hidden": 16}
-TINY_SNN = {"neuron": "int_mpbn_lif", "pow2": True, "channels": (4, 8), "time_steps": 2}
 LAYER_FILES = {"README.md", "expected.hex", "input.hex", "synth.ys"}
 
 
 def briefly_trained(kind: str, **config) -> torch.nn.Module:
     """One epoch on 128 digits (calibrates every quantizer; exactness needs no accuracy), eval mode."""
-    seed_everything(0)
-    model = build_model(kind, **config)
-    data = load_digits_data(model.input_layout, seed=0)
-    x, y = data.train.tensors
-    train(model, replace(data, train=TensorDataset(x[:128], y[:128])), 1, 5e-3, 0, progress=False)
-    return model.eval()
+    return deploy_helpers.briefly_trained(kind, **config)[0]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("rtl-cache")
-        patch.setenv("QNORM_CACHE", str(path))
-        yield path
+    yield from private_cache(tmp_path_factory, "rtl-cache")
 
 
 def compiled(kind: str, config: dict, root: Path) -> tuple[Path, Path]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from deploy_helpers import TRANSFORMER_INT_OPS as INT_OPS
 from deploy_helpers import TRANSFORMER_VARIANTS as VARIANTS
-from deploy_helpers import briefly_trained
+from deploy_helpers import briefly_trained, private_cache
 
 from qnorm.deploy import NotDeployableError, export, freeze, prove_exact
 from qnorm.train.experiment import _rows
@@ -30,10 +30,7 @@ def calibrated(**config) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("compile-cache")
-        patch.setenv("QNORM_CACHE", str(path))
-        yield path
+    yield from private_cache(tmp_path_factory, "compile-cache")
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -22,12 +22,13 @@ from deploy_helpers import (
     TRANSFORMER_INT_OPS,
     TRANSFORMER_VARIANTS,
     briefly_trained,
+    needs_tools,
+    private_cache,
     qat_integers,
 )
 from torch import nn
 
 from compilers import toolchains
-from compilers.tvm import cross
 from compilers.tvm.c_api import CApiModel
 from compilers.tvm.cuda_model import CudaModel
 from compilers.tvm.graph import compile_model, load_compiled
@@ -38,18 +39,9 @@ Trained = tuple[nn.Module, torch.Tensor]
 ELF_MACHINE = {"aarch64": 0xB7, "riscv64": 0xF3}  # e_machine: EM_AARCH64, EM_RISCV
 
 
-def needs_tools(target: str) -> None:
-    missing = cross.missing_tools(target)
-    if missing is not None:
-        pytest.skip(missing)
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("transformer-cache")
-        patch.setenv("QNORM_CACHE", str(path))
-        yield path
+    yield from private_cache(tmp_path_factory, "transformer-cache")
 
 
 @pytest.fixture(scope="module")
