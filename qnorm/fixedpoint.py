@@ -571,7 +571,9 @@ def _bit_length_of_array(v: Any) -> Any:
     if _is_torch(v):
         import torch
 
-        n = torch.frexp(v.to(torch.float64)).exponent.to(torch.int64)
+        # frexp's exponent read from the float64's bits (biased exponent − 1022; 0 for 0):
+        # torch.compile's vectorized CPU code cannot widen torch.frexp's int32 exponent
+        n = ((v.to(torch.float64).view(torch.int64) >> 52) - 1022).clamp(min=0)
         over = (n > 0) & ((v >> (n - 1).clamp(min=0)) == 0)
         return n - over.to(torch.int64)
     n = np.frexp(v.astype(np.float64))[1].astype(np.int64)
