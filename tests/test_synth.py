@@ -325,3 +325,12 @@ def test_every_report_unit_converts_to_rtlil():
     assert {u.op for u in units} >= {"int_layernorm", "l1_layernorm", "multithreshold"}
     cheapest = next(u for u in units if u.op == "multithreshold")
     assert f"module \\{synth.TOP}" in synth.to_rtlil(cheapest.elaboratable, cheapest.ports)
+
+
+def test_quick_report_units_are_rows_of_64_only() -> None:
+    from qnorm.verify.cases import case_named
+
+    specs = [spec.partition("@") for spec in report.OP_CASES]
+    quick = [name for name, _, length in specs if not length]
+    assert all(case_named(name).config.get("n", 64) == 64 for name in quick)
+    assert {name for name, _, length in specs if length} <= set(quick)  # the 768 rows of the same configs
