@@ -6,22 +6,18 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from deploy_helpers import TINY_MIXER, briefly_trained, private_cache
 
 from compilers import toolchains
 from compilers.tvm.cuda_model import CudaModel
 from compilers.tvm.graph import load_compiled
 from qnorm.cli import main
 from qnorm.train.checkpoint import save_checkpoint
-from qnorm.train.data import load_digits_data
-from qnorm.train.loop import seed_everything, train
-from qnorm.train.models import build_model
 
 if toolchains.nvcc_unavailable() is not None:
     pytest.skip(toolchains.nvcc_unavailable(), allow_module_level=True)
@@ -31,19 +27,18 @@ SIZES = {"int8": 1, "int16": 2, "int32": 4, "int64": 8, "float32": 4}  # what gp
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def cache(tmp_path_factory):
+    yield from private_cache(tmp_path_factory, "cuda-cache")
+
+
+@pytest.fixture(scope="module")
+def built(cache, tmp_path_factory):
     """A briefly trained tiny mixer, its checkpoint compiled for CUDA by `qnorm compile`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("QNORM_CACHE", str(tmp_path_factory.mktemp("cuda-cache")))
-        seed_everything(0)
-        model = build_model("mixer", dim=16, depth=1, token_hidden=8, channel_hidden=16)
-        data = load_digits_data(model.input_layout, seed=0)
-        x, y = data.train.tensors
-        train(model, replace(data, train=TensorDataset(x[:128], y[:128])), 1, 5e-3, 0, progress=False)
-        checkpoint = save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "mixer")
-        out = tmp_path_factory.mktemp("compiled") / "cuda"
-        assert main(["compile", str(checkpoint), "--target", "cuda", "-o", str(out)]) == 0
-        yield model.eval(), data.test.tensors[0][:64], out
+    model, x = briefly_trained("mixer", **TINY_MIXER)
+    checkpoint = save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "mixer")
+    out = tmp_path_factory.mktemp("compiled") / "cuda"
+    assert main(["compile", str(checkpoint), "--target", "cuda", "-o", str(out)]) == 0
+    return model, x[:64], out
 
 
 def test_cuda_build_has_ptx_and_cubins_for_every_kernel(built):

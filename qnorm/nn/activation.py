@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn.base import QATModule
+from qnorm.nn.base import QATModule, require_qformat
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput
 from qnorm.nn.surrogate import Output, Surrogate
 from qnorm.ops import activation as ops
@@ -56,8 +56,7 @@ class IntActivation(QATModule):
         algorithm: str | None = None,
         return_quant_tensor: bool = False,
     ) -> None:
-        if not isinstance(out_fmt, QFormat):
-            raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
+        require_qformat(out_fmt)
         quant = InputQuantizer(in_fmt, bits=in_bits, momentum=momentum, pow2=pow2)
         super().__init__(1, quant, return_quant_tensor)  # channels: unused by an elementwise layer
         self.out_fmt = out_fmt

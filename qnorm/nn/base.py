@@ -50,6 +50,13 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def require_qformat(out_fmt: object) -> None:
+    """Refuse an output format that is not a :class:`QFormat` (a float scale or bit width
+    passed by mistake would otherwise fail later, far from the call)."""
+    if not isinstance(out_fmt, QFormat):
+        raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
+
+
 def to_op_layout(t: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """Golden ops take their parameter axis last: move the layer's channel axis there."""
     return t.movedim(channel_dim, -1)

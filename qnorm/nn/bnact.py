@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn.base import IntInference, to_op_layout
+from qnorm.nn.base import IntInference, require_qformat, to_op_layout
 from qnorm.nn.batchnorm import BatchStats, BNQATModule, rational_bn_constants
 from qnorm.nn.quantizer import InputQuantizer
 from qnorm.nn.surrogate import Output
@@ -68,8 +68,7 @@ class BNQuantAct(BNQATModule):
         out_frac_bits: int = 8,
         return_quant_tensor: bool = False,
     ) -> None:
-        if not isinstance(out_fmt, QFormat):
-            raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
+        require_qformat(out_fmt)
         quant = InputQuantizer(in_fmt, bits=in_bits, signed=in_signed, momentum=momentum, pow2=pow2)
         super().__init__(
             channels, quant, return_quant_tensor, eps=eps, momentum=momentum,

@@ -58,7 +58,7 @@ from torch import nn
 
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn.base import QATModule, param_array
+from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate, exact_forward_in_graph, to_output
@@ -121,8 +121,7 @@ class IntNorm(QATModule):
         dtype: torch.dtype | None = None,
     ) -> None:
         n = _channels(normalized_shape)
-        if not isinstance(out_fmt, QFormat):
-            raise ValueError(f"out_fmt must be a QFormat, got {type(out_fmt).__name__}")
+        require_qformat(out_fmt)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
         quant = InputQuantizer(in_fmt, bits=in_bits, momentum=momentum, pow2=pow2)
