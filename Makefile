@@ -36,6 +36,7 @@ demo: $(STAMP)
 	$(VPY) -m qnorm.cli demo --out out
 
 test: $(STAMP) toolchains
+	$(VPY) -m ruff check --quiet .
 	$(VPY) -m pytest -q -n auto
 
 # pytest exits 5 when a marker selects nothing; that is not a failure here.

@@ -280,7 +280,7 @@ def run_deploy_demo(out: Path, seed: int = 0, quick: bool = False, jobs: int = 2
         work.append(Job(family, family_kind, recipes[family], seed, checkpoints[name], progress=False))
         epochs[name] = recipes[family].epochs
     summaries = run_jobs(work, min(jobs, len(work)), progress=False)
-    train_seconds = {name: s["train_seconds"] for name, s in zip(DEPLOY_MODELS, summaries)}
+    train_seconds = {name: s["train_seconds"] for name, s in zip(DEPLOY_MODELS, summaries, strict=True)}
     phases["train"] = time.perf_counter() - start
 
     rows = []
@@ -420,7 +420,7 @@ def save_deploy_plot(rows: list[DeployRow], path: Path) -> None:
     pos = np.arange(len(rows))
     right.bar(pos - width / 2, [100 * r.qat_accuracy for r in rows], width, label="QAT (torch)")
     right.bar(pos + width / 2, [100 * r.compiled_accuracy for r in rows], width, label="compiled (TVM)")
-    for p, r in zip(pos, rows):
+    for p, r in zip(pos, rows, strict=True):
         top = 100 * max(r.qat_accuracy, r.compiled_accuracy)
         right.text(p, top + 2, f"{r.mismatches} mismatching\nintegers", ha="center", fontsize=7)
     right.set_xticks(pos, [r.name.split("-")[0] for r in rows], fontsize=8)

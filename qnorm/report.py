@@ -145,7 +145,7 @@ def save_histogram(results: list[CaseResult], path: Path) -> None:
 
     ops = list(dict.fromkeys(r.op for r in results))
     fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3), sharey=True)
-    for ax, op in zip(np.atleast_1d(axes), ops):
+    for ax, op in zip(np.atleast_1d(axes), ops, strict=True):
         err = np.concatenate([r.errors.ravel() for r in results if r.op == op and r.bits == 8])
         ax.hist(np.clip(err, -4, 4), bins=np.arange(-4.25, 4.5, 0.25), color="tab:blue")
         ax.set_title(op, fontsize=9)

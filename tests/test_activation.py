@@ -72,8 +72,8 @@ def test_an_int8_table_is_the_correctly_rounded_function_on_every_code(op_cls, i
     want = [min(max(int(mpmath.floor(e + mpmath.mpf(1) / 2)), out_fmt.lo), out_fmt.hi) for e in exact]
     clear = [abs(e - mpmath.floor(e) - mpmath.mpf(1) / 2) > 1e-9 for e in exact]
     assert sum(clear) >= 250
-    assert [int(v) for v, c in zip(y, clear) if c] == [w for w, c in zip(want, clear) if c]
-    worst = max(abs(int(v) - min(max(e, out_fmt.lo), out_fmt.hi)) for v, e in zip(y, exact))
+    assert [int(v) for v, c in zip(y, clear, strict=True) if c] == [w for w, c in zip(want, clear, strict=True) if c]
+    worst = max(abs(int(v) - min(max(e, out_fmt.lo), out_fmt.hi)) for v, e in zip(y, exact, strict=True))
     assert worst <= 0.5 + 1e-9
 
 
@@ -135,7 +135,7 @@ def test_the_numerator_range_is_the_exact_extremum_of_every_segment_quadratic(in
     seg = op.segments
     w, h = 1 << seg.bits, 1 << (seg.bits - 1)
     values = []
-    for a, b, c in zip(seg.a.tolist(), seg.b.tolist(), seg.c.tolist()):
+    for a, b, c in zip(seg.a.tolist(), seg.b.tolist(), seg.c.tolist(), strict=True):
         linear = b - c * h
         ts = {0, w - 1}
         if c != 0:

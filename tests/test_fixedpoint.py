@@ -36,7 +36,7 @@ def test_rshift_round_random(mode, v, s):
 def test_rshift_round_per_element_shift():
     v = np.array([5, -5, 6, -6, 7, 1000], dtype=np.int64)
     s = np.array([0, 1, 2, 1, 3, 4], dtype=np.int64)
-    want = [exact_round(Fraction(int(a), 2 ** int(b)), Round.HALF_UP) for a, b in zip(v, s)]
+    want = [exact_round(Fraction(int(a), 2 ** int(b)), Round.HALF_UP) for a, b in zip(v, s, strict=True)]
     assert fp.rshift_round(v, s).tolist() == want
 
 

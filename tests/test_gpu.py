@@ -97,8 +97,8 @@ def test_launch_geometry_follows_the_call_shapes() -> None:
     (launch,) = dev.launches(shapes)
     assert (launch.grid, launch.block, launch.threads) == ((5, 1, 1), (256, 1, 1), 256)
     params = dev.kernels[0].params
-    assert sorted(a for p, a in zip(params, launch.args) if p.is_buffer) == sorted([*channel, "out", "x"])
-    assert [a for p, a in zip(params, launch.args) if not p.is_buffer] == [5]
+    assert sorted(a for p, a in zip(params, launch.args, strict=True) if p.is_buffer) == sorted([*channel, "out", "x"])
+    assert [a for p, a in zip(params, launch.args, strict=True) if not p.is_buffer] == [5]
     with pytest.raises(ValueError, match="rows is 5 and 6"):
         dev.launches({**shapes, "out": (6, 768)})
     with pytest.raises(ValueError, match="has shape"):

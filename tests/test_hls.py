@@ -194,7 +194,7 @@ def test_constants_are_the_kernel_integers_in_their_dtypes(projects, name: str) 
     kernel = kernel_for(op, HLS)
     arrays = _c_arrays((projects[name] / csource.TOP_C).read_text())
     assert len(arrays) == len(kernel.consts) > 0
-    for (dtype, shape, values), want in zip(arrays.values(), kernel.consts):
+    for (dtype, shape, values), want in zip(arrays.values(), kernel.consts, strict=True):
         assert dtype == str(want.dtype) and shape == list(want.shape)
         assert np.array_equal(np.array(values, dtype=np.int64), want.ravel().astype(np.int64))
 

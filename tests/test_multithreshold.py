@@ -34,7 +34,7 @@ def reference_levels(bn: RationalBN, cfg: BNActConfig, xs: np.ndarray) -> np.nda
 
 def make_bn(rows: list[tuple[int, int, int, int]], shift: int, frac: int, out_frac: int) -> RationalBN:
     """Channels given as (G, M, D, B) integers."""
-    g, m, d, b = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    g, m, d, b = (np.array(col, dtype=np.int64) for col in zip(*rows, strict=True))
     return RationalBN(g, shift, m, d, frac, b, out_frac)
 
 
@@ -97,7 +97,7 @@ def test_level_event_matches_rounding(mode):
 def test_thresholds_sorted_in_crossing_order():
     bn = adversarial_bn()
     mt = MultiThreshold(BNActConfig(QFormat(8, 1.0), QFormat(4, 1.0, signed=False)), bn)
-    for t, d in zip(mt.thresholds, mt.direction):
+    for t, d in zip(mt.thresholds, mt.direction, strict=True):
         steps = np.diff(t)
         assert np.all(steps <= 0) if d < 0 else np.all(steps >= 0)
 
@@ -266,7 +266,7 @@ def fraction_rational_bn(gamma, beta, mean, var, eps, in_scale, out_scale, gamma
 
     m = [fixed("mean / in_scale", Fraction(float(v)) / s_in, frac_bits) for v in mean.ravel()]
     b = [fixed("beta / out_scale", Fraction(float(v)) / s_out, out_frac_bits) for v in beta.ravel()]
-    d = [std(Fraction(float(v)) + Fraction(float(e))) for v, e in zip(var.ravel(), eps.ravel())]
+    d = [std(Fraction(float(v)) + Fraction(float(e))) for v, e in zip(var.ravel(), eps.ravel(), strict=True)]
     shape = gamma.shape
     return RationalBN(
         np.asarray(g, dtype=np.int64).reshape(shape), shift, np.array(m, dtype=np.int64).reshape(shape),

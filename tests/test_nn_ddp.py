@@ -174,7 +174,7 @@ def test_batch_statistics_equal_single_process_on_the_concatenated_batch(ranks):
         for rank in ranks:
             ddp_log = rank["synced"]["stats"][step]
             assert [e["layer"] for e in ddp_log] == [e["layer"] for e in log] == ["lif"] * T + ["act"]
-            for got, want in zip(ddp_log, log):
+            for got, want in zip(ddp_log, log, strict=True):
                 for key in ("mean", "var", "var_unbiased"):
                     assert np.array_equal(got[key], want[key]), (step, got["layer"], key)
         after = synced["before"][step + 1] if step + 1 < STEPS else synced["after"]

@@ -142,7 +142,7 @@ def test_in_graph_surrogate_gradients_equal_the_backward_pass_surrogate(kind, ca
     assert torch.equal(y, want_y)
     if not calibrated:  # a calibrated range covers the batch; the fixed one clips some inputs
         assert not bool(q.pass_mask.all())
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
 

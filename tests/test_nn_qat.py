@@ -35,7 +35,7 @@ def values_and_format(draw):
     n = draw(st.integers(1, 40))
     ks = draw(st.lists(st.integers(fmt.lo - 3, fmt.hi + 3), min_size=n, max_size=n))
     offsets = draw(st.lists(st.sampled_from([0.5, -0.5, 0.0, 0.49999999999999994, 0.25]), min_size=n, max_size=n))
-    ties = [(k + o) * scale for k, o in zip(ks, offsets)]  # exact ties when the scale is a power of two
+    ties = [(k + o) * scale for k, o in zip(ks, offsets, strict=True)]  # exact ties when the scale is a power of two
     noise = draw(st.lists(st.floats(-4.0 * scale * fmt.hi, 4.0 * scale * fmt.hi), min_size=n, max_size=n))
     return np.array(ties + noise), fmt
 

@@ -108,12 +108,12 @@ def reference_training_run(layer: MPBNLIF, x: np.ndarray) -> tuple[np.ndarray, n
         pre = []
         for n, row in enumerate(state):
             leaked = row if cfg.leak is None else [(u * cfg.leak.m + (1 << cfg.leak.s >> 1)) >> cfg.leak.s for u in row]
-            pre_row = [u + int(i) for u, i in zip(leaked, flat[t, n])]
+            pre_row = [u + int(i) for u, i in zip(leaked, flat[t, n], strict=True)]
             pre.append([min(max(u, lo), hi) for u in pre_row] if cfg.saturate else pre_row)
-        cols = list(zip(*pre))
+        cols = list(zip(*pre, strict=True))
         k = len(pre)
         mean = [Fraction(sum(col), k) for col in cols]
-        dev = [sum((u - mu) ** 2 for u in col) for col, mu in zip(cols, mean)]
+        dev = [sum((u - mu) ** 2 for u in col) for col, mu in zip(cols, mean, strict=True)]
         m64 = np.array([float(mu * s) for mu in mean])
         v64 = np.array([float(d / k * s * s) for d in dev])
         op = MPBNNeuron.from_float(gamma, beta, m64, v64, layer.eps, layer.v_th, cfg)  # the canonical derivation

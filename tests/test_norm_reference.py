@@ -105,7 +105,7 @@ def slow_row(op, row: list[int]) -> tuple[int, list[int], list[int]]:
     c = exact_round(Fraction(sum(row) * a0, cfg.n), mode) << up if centered else 0
     a = a0 << up
     zs, out = [], []
-    for v, g, b in zip(row, cfg.gain, cfg.bias):
+    for v, g, b in zip(row, cfg.gain, cfg.bias, strict=True):
         z = exact_round(Fraction(v * a - c, 1 << k), mode)
         y = exact_round(Fraction(z * g + b, 1 << cfg.shift), mode)
         zs.append(z)

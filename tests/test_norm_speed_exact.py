@@ -11,6 +11,7 @@ adversarial values.
 """
 
 import dataclasses
+import functools
 import math
 import threading
 from fractions import Fraction
@@ -191,12 +192,12 @@ def ref_ranges(op_cls, cfg) -> RangeReport:
     if op_cls is IntRMSNorm and cfg.prefix < cfg.n:
         inner = ref_products(op_cls, cfg, dataclasses.replace(stat, outside=None), segs, inv)
         zs = [ref_normalized(cfg, inner, j, None)] * cfg.prefix + [z] * (cfg.n - cfg.prefix)
-    wins = [ref_window(cfg, m, b, zc) for m, b, zc in zip(cfg.gain, cfg.bias, zs)]
+    wins = [ref_window(cfg, m, b, zc) for m, b, zc in zip(cfg.gain, cfg.bias, zs, strict=True)]
     zcs = [Interval(lo - off, hi - off) for lo, hi, off, _ in wins]
     rep.add("zc", Interval(min(v.lo for v in zcs), max(v.hi for v in zcs)))
-    prods = [zc * m for zc, m in zip(zcs, cfg.gain)]
+    prods = [zc * m for zc, m in zip(zcs, cfg.gain, strict=True)]
     rep.add("scaled", Interval(min(v.lo for v in prods), max(v.hi for v in prods)))
-    sums = [v + w[3] for v, w in zip(prods, wins)]
+    sums = [v + w[3] for v, w in zip(prods, wins, strict=True)]
     acc = rep.add("acc", Interval(min(v.lo for v in sums), max(v.hi for v in sums)))
     rep.check()
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
@@ -270,9 +271,8 @@ def test_neighbouring_guards_and_widths_refuse_exactly_as_before(seed):
         variants.append(dataclasses.replace(cfg, eps_shift=g, eps=core.round_rational(eps_s * (1 << (cfg.p * g)))))
     variants.append(dataclasses.replace(cfg, frac_bits=cfg.inv_frac_bits))
     for v in variants:
-        assert outcome(lambda: type(op)._report(v, np.asarray(v.gain), np.asarray(v.bias))) == outcome(
-            lambda: ref_ranges(type(op), v)
-        )
+        report = functools.partial(type(op)._report, v, np.asarray(v.gain), np.asarray(v.bias))
+        assert outcome(report) == outcome(functools.partial(ref_ranges, type(op), v))
 
 
 def test_row_analysis_depends_only_on_its_key():
@@ -393,12 +393,12 @@ def test_integer_per_exponent_bounds_equal_the_rational_ones(seed):
 
 
 def ref_output_ranges(rep, cfg, gain, bias, zs):
-    wins = [ref_window(cfg, int(m), int(b), z) for m, b, z in zip(gain, bias, zs)]
+    wins = [ref_window(cfg, int(m), int(b), z) for m, b, z in zip(gain, bias, zs, strict=True)]
     zcs = [Interval(lo - off, hi - off) for lo, hi, off, _ in wins]
     rep.add("zc", Interval(min(v.lo for v in zcs), max(v.hi for v in zcs)))
-    prods = [zc * int(m) for zc, m in zip(zcs, gain)]
+    prods = [zc * int(m) for zc, m in zip(zcs, gain, strict=True)]
     rep.add("scaled", Interval(min(v.lo for v in prods), max(v.hi for v in prods)))
-    sums = [v + w[3] for v, w in zip(prods, wins)]
+    sums = [v + w[3] for v, w in zip(prods, wins, strict=True)]
     acc = rep.add("acc", Interval(min(v.lo for v in sums), max(v.hi for v in sums)))
     rep.check()
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))
@@ -518,7 +518,7 @@ def ref_shift_quantize_gain(gains, mult_bits, max_shift):
     if s < 0:
         raise ValueError(f"a gain of 2^{max(live)} per z LSB does not fit a {mult_bits}-bit power-of-two multiplier")
     signs = np.sign(gains).astype(int).tolist()
-    return tuple(0 if q is None or q + s < 0 else sg << (q + s) for q, sg in zip(logs, signs)), s
+    return tuple(0 if q is None or q + s < 0 else sg << (q + s) for q, sg in zip(logs, signs, strict=True)), s
 
 
 def log2_boundaries(rng, count: int) -> np.ndarray:
@@ -547,8 +547,8 @@ def test_vectorized_shift_gains_equal_the_rational_ones(seed):
     if seed % 5 == 0:  # realistic: one scale, a few zeros
         gains = rng.normal(0, 2.0 ** int(rng.integers(-20, 10)), n) * (rng.random(n) > 0.1)
     for mult_bits, max_shift in ((16, 51), (8, 20), (2, 62)):
-        want = outcome_value(lambda: ref_shift_quantize_gain(gains, mult_bits, max_shift))
-        assert outcome_value(lambda: ShiftLayerNorm._quantize_gain(gains, mult_bits, max_shift)) == want
+        want = outcome_value(functools.partial(ref_shift_quantize_gain, gains, mult_bits, max_shift))
+        assert outcome_value(functools.partial(ShiftLayerNorm._quantize_gain, gains, mult_bits, max_shift)) == want
 
 
 def outcome_value(f):

@@ -201,9 +201,9 @@ def test_shift_norm_picks_its_power_of_two_for_exact_eps(terms):
     op(x, trace)
     e_s, g = exact_eps(op, 1e-5), op.config.eps_shift
     assert 0 < e_s < Fraction(1, 2)
-    got = list(zip(trace["exp"].reshape(-1).tolist(), np.broadcast_to(trace["rsqrt_pow2"], (len(x), 1))[:, 0].tolist()))
+    got = list(zip(trace["exp"].reshape(-1).tolist(), np.broadcast_to(trace["rsqrt_pow2"], (len(x), 1))[:, 0].tolist(), strict=True))
     s, q = x.sum(axis=1).tolist(), (x * x).sum(axis=1).tolist()
-    want = [shift_choice(op, (n * qi - si * si + e_s) * 4**g) for si, qi in zip(s, q)]
+    want = [shift_choice(op, (n * qi - si * si + e_s) * 4**g) for si, qi in zip(s, q, strict=True)]
     assert got == want
 
 
@@ -405,8 +405,8 @@ def channels(op) -> list[int]:
     cfg = op.config
     g, b = np.array(cfg.gain, dtype=object), np.array(cfg.bias, dtype=object)
     z = op.ranges()["z"]
-    top = [max(z.lo * m, z.hi * m) + c for m, c in zip(g, b)]
-    bottom = [min(z.lo * m, z.hi * m) + c for m, c in zip(g, b)]
+    top = [max(z.lo * m, z.hi * m) + c for m, c in zip(g, b, strict=True)]
+    bottom = [min(z.lo * m, z.hi * m) + c for m, c in zip(g, b, strict=True)]
     return sorted({0, int(np.argmax(g)), int(np.argmin(g)), int(np.argmax(top)), int(np.argmin(bottom))})
 
 

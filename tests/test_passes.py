@@ -129,11 +129,11 @@ def test_fold_bn_float_deviation_and_rounding_of_the_weights():
     w = folded.weight.detach().numpy().ravel()
     exact_err = []
     for c, (wi, wf) in enumerate(
-        zip(layer.weight.detach().numpy().reshape(8, -1), folded.weight.detach().numpy().reshape(8, -1))
+        zip(layer.weight.detach().numpy().reshape(8, -1), folded.weight.detach().numpy().reshape(8, -1), strict=True)
     ):
         var_eps = Fraction(float(bn.running_var[c])) + Fraction(bn.eps)
         a2 = Fraction(float(bn.weight.detach()[c])) ** 2 / var_eps  # a^2, exact
-        for v, f in zip(wi.tolist(), wf.tolist()):
+        for v, f in zip(wi.tolist(), wf.tolist(), strict=True):
             exact = float(Fraction(v) ** 2 * a2) ** 0.5  # |W a| to float64 accuracy, ample against float32 ulps
             exact_err.append(abs(abs(f) - exact) / np.spacing(np.float32(abs(f))) if f else 0.0)
     report("fold_bn: folded float32 weights vs exact W*a", {"max_ulp": max(exact_err), "count": w.size})

@@ -140,8 +140,8 @@ def spec_forward(op: IntFlashNorm, x: np.ndarray) -> tuple[np.ndarray, list[int]
         r = (j + 1) // 2  # the largest odd value <= j is 2r - 1
         mants.append(m)
         inverses.append(r)
-        for o, (w, mult, b) in enumerate(zip(op.weight.tolist(), op.mult.tolist(), op.bias.tolist())):
-            acc = sum(a * c for a, c in zip(row, w))
+        for o, (w, mult, b) in enumerate(zip(op.weight.tolist(), op.mult.tolist(), op.bias.tolist(), strict=True)):
+            acc = sum(a * c for a, c in zip(row, w, strict=True))
             y = math.floor(Fraction(acc * r * mult + b * 2 ** (30 + e), 2 ** (30 + e + op.shift)) + Fraction(1, 2))
             out[i, o] = min(max(y, op.out_fmt.lo), op.out_fmt.hi)
     return out, mants, inverses

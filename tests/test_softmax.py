@@ -46,7 +46,7 @@ def _reference_row(op: IntSoftmax, row: list[int], q: int) -> list[int]:
     ]
     if not any(keep):
         return [0] * len(row)
-    top = max(v for v, k in zip(row, keep) if k)
+    top = max(v for v, k in zip(row, keep, strict=True) if k)
 
     def half_up(q: Fraction) -> int:
         return math.floor(q + Fraction(1, 2))
@@ -58,7 +58,7 @@ def _reference_row(op: IntSoftmax, row: list[int], q: int) -> list[int]:
         prod = _exact_entry(s, d % 256, fs) * _exact_entry(s, 256 * (d // 256), fs)
         return half_up(Fraction(prod, 1 << fs)), half_up(Fraction(prod, 1 << (fs + guard)))
 
-    terms = [exp(top - v) if k else (0, 0) for v, k in zip(row, keep)]
+    terms = [exp(top - v) if k else (0, 0) for v, k in zip(row, keep, strict=True)]
     total = sum(t for t, _ in terms)
     lead = total.bit_length()
     mant = half_up(Fraction(total, 1 << (lead - mant_bits)))

@@ -84,7 +84,7 @@ def mpbn_params(draw, shape: tuple[int, ...], soft: bool) -> MPBNParams:
     n = int(np.prod(shape))
     kinds = draw(st.lists(st.sampled_from(["grid", "grid", "random", "zero"]), min_size=n, max_size=n))
     rows = [draw(channel(k, f, fo, s)) for k in kinds]
-    g, m, d, b, v = (np.array(col, dtype=np.int64).reshape(shape) for col in zip(*rows))
+    g, m, d, b, v = (np.array(col, dtype=np.int64).reshape(shape) for col in zip(*rows, strict=True))
     r = draw(st.lists(st.integers(-64, 64), min_size=n, max_size=n)) if soft else [0] * n
     return MPBNParams(RationalBN(g, s, m, d, f, b, fo), v, np.array(r, dtype=np.int64).reshape(shape))
 

@@ -139,7 +139,7 @@ def _comb_outputs(dut, inputs: list, pairs: list[tuple[int, ...]]) -> list[int]:
 
     async def bench(ctx) -> None:
         for values in pairs:
-            for signal, value in zip(inputs, values):
+            for signal, value in zip(inputs, values, strict=True):
                 ctx.set(signal, int(value))
             got.append(ctx.get(dut.o))
 
@@ -167,8 +167,11 @@ def _operands(rng: np.random.Generator, dtype: type, count: int, span: int) -> t
 def test_float_add_and_multiply_round_exactly_like_ieee(fmt, dtype, span: int, op: str) -> None:
     a, b = _operands(np.random.default_rng(7), dtype, 240, span)
     dut = FloatMul(fmt) if op == "mul" else FloatAdd(fmt)
-    pairs = list(zip(a.view(UINT[dtype]), b.view(UINT[dtype]), [op == "sub"] * len(a)))
+    operands = [a.view(UINT[dtype]), b.view(UINT[dtype])]
     signals = [dut.a, dut.b] if op == "mul" else [dut.a, dut.b, dut.sub_b]
+    if op != "mul":
+        operands.append([op == "sub"] * len(a))
+    pairs = list(zip(*operands, strict=True))
     got = np.array(_comb_outputs(dut, signals, pairs), dtype=UINT[dtype]).view(dtype)
     with np.errstate(over="ignore"):
         want = {"add": np.add, "sub": np.subtract, "mul": np.multiply}[op](a, b)

@@ -58,7 +58,7 @@ def test_split_is_deterministic_disjoint_and_stratified():
     a, b = load_digits_data("tokens", seed=0), load_digits_data("tokens", seed=0)
     np.testing.assert_array_equal(a.train_index, b.train_index)
     np.testing.assert_array_equal(a.test_index, b.test_index)
-    for x, y in zip(a.train.tensors + a.test.tensors, b.train.tensors + b.test.tensors):
+    for x, y in zip(a.train.tensors + a.test.tensors, b.train.tensors + b.test.tensors, strict=True):
         assert torch.equal(x, y)
     assert not set(a.train_index) & set(a.test_index)
     assert sorted(np.concatenate([a.train_index, a.test_index])) == list(range(1797))

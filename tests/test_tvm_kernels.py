@@ -259,7 +259,7 @@ def make_bn(
     channels: list[tuple[int, int, int, int]], shift: int, frac: int, out_frac: int
 ) -> RationalBN:
     """Channels as integers (G, M, D, B): z = G (2^F x − M) / (D 2^S) + B / 2^Fo."""
-    g, m, d, b = (np.array(col, dtype=np.int64) for col in zip(*channels))
+    g, m, d, b = (np.array(col, dtype=np.int64) for col in zip(*channels, strict=True))
     return RationalBN(g, shift, m, d, frac, b, out_frac)
 
 
@@ -276,7 +276,7 @@ def random_bn(c: int, rng: np.random.Generator) -> RationalBN:
     g[::5] = 0
     m, d, b = rng.integers(-400, 400, c), rng.integers(1, 1 << 8, c), rng.integers(-600, 600, c)
     return make_bn(
-        list(zip(g.tolist(), m.tolist(), d.tolist(), b.tolist())), shift=10, frac=4, out_frac=4
+        list(zip(g.tolist(), m.tolist(), d.tolist(), b.tolist(), strict=True)), shift=10, frac=4, out_frac=4
     )
 
 

@@ -78,5 +78,5 @@ def test_the_pipeline_sorts_every_shape_function_and_the_model_still_runs() -> N
     vm = relax.VirtualMachine(tvm.compile(Dynamic, target, relax_pipeline=relax_pipeline()), tvm.cpu())
     x = np.arange(3 * 64, dtype=np.float32).reshape(3, 4, 16)
     got = vm["main"](tvm.runtime.tensor(x))
-    for out, shape in zip(got, [(12, 16), (192,), (24, 8), (6, 32)]):
+    for out, shape in zip(got, [(12, 16), (192,), (24, 8), (6, 32)], strict=True):
         assert np.array_equal(out.numpy(), x.reshape(shape))

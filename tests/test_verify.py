@@ -159,7 +159,7 @@ def test_run_batches_meet_the_budget_and_repeat() -> None:
     assert sum(b.x.size for b in first) >= 10**5
     assert sum(b.x.size for b in first if b.source == "random") >= 10**5 // 2
     again = list(run_batches(case, 10**5, seed=3))
-    assert all(np.array_equal(a.x, b.x) for a, b in zip(first, again))
+    assert all(np.array_equal(a.x, b.x) for a, b in zip(first, again, strict=True))
 
 
 def test_exhaustive_domains() -> None:

@@ -82,7 +82,7 @@ def top_spec(op: IntOp, kernel: Kernel, rows: int = DEFAULT_ROWS, steps: int | N
         in_range=(op.in_fmt.lo, op.in_fmt.hi),
         width=width,
         rows=rows,
-        consts=tuple(Const(n, c) for n, c in zip(_const_names(kernel), kernel.consts)),
+        consts=tuple(Const(n, c) for n, c in zip(_const_names(kernel), kernel.consts, strict=True)),
         time_major=kernel.time_major,
         max_steps=_max_steps(op, steps) if kernel.time_major else 0,
     )

@@ -251,7 +251,7 @@ def plot(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequence[s
     by_key = {(unit.name, r.family): r.resources for unit, r in results}
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(names) + 2), sharey=True)
     height = 0.8 / len(families)
-    for ax, count in zip(axes, ("lut", "ff", "dsp")):
+    for ax, count in zip(axes, ("lut", "ff", "dsp"), strict=True):
         for k, family in enumerate(families):
             values = [getattr(by_key[(n, family)], count) if (n, family) in by_key else 0 for n in names]
             ax.barh(np.arange(len(names)) + k * height, values, height, label=family)

@@ -280,22 +280,22 @@ class Hdl:
             # a pipeline reads a per-channel table where it is used, at the channel's
             # delayed index, rather than delaying the table's (wider) value
             late = [ctx.pipelined and isinstance(d, Table) for d in self.deps]
-            parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late)]
+            parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late, strict=True)]
             level = max((lv for _, lv in parts), default=0)
             timed = ctx.pipelined or ctx.sequential
             depth = max((d.cost if t else ctx.depth_of(d, lv, level)
-                         for d, t, (_, lv) in zip(self.deps, late, parts)), default=0)
+                         for d, t, (_, lv) in zip(self.deps, late, parts, strict=True)), default=0)
             rom_register = False  # the tables read a level earlier, through a register
             if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
                 parts = [ctx.cut(d, v, lv) if ctx.depth_of(d, lv, level) and not t else (v, lv)
-                         for d, t, (v, lv) in zip(self.deps, late, parts)]
+                         for d, t, (v, lv) in zip(self.deps, late, parts, strict=True)]
                 rom_register = any(late)
                 level = max((lv for _, lv in parts), default=0) + (rom_register and level == 0)
-                depth = max((ctx.depth_of(d, lv, level) for d, t, (_, lv) in zip(self.deps, late, parts) if not t),
+                depth = max((ctx.depth_of(d, lv, level) for d, t, (_, lv) in zip(self.deps, late, parts, strict=True) if not t),
                             default=0)
             ctx.level = level
             got = self.fn(ctx, *(d.read_at(ctx, level, rom_register) if t  # type: ignore[attr-defined]
-                                 else ctx.delay(v, lv, level) for d, t, (v, lv) in zip(self.deps, late, parts)))
+                                 else ctx.delay(v, lv, level) for d, t, (v, lv) in zip(self.deps, late, parts, strict=True)))
             v, level = (got[0], level + got[1]) if isinstance(got, tuple) else (got, level)
             if self.iv is not None:
                 v = sized(v, self.iv, self.name or "v", ctx.m)

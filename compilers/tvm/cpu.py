@@ -349,7 +349,7 @@ def _axis_kinds(sch: tvm.s_tir.Schedule, block: tvm.s_tir.schedule.SBlockRV, loo
         realize = next(r for r in realize.seq if r.block.same_as(sch.get(block)))
     used = [
         (iv.iter_type, {v.__chandle__() for v in tirx.analysis.undefined_vars(value)})
-        for iv, value in zip(sch.get(block).iter_vars, realize.iter_values)
+        for iv, value in zip(sch.get(block).iter_vars, realize.iter_values, strict=True)
     ]
     return {
         lp: next(k for k, vs in used if sch.get(lp).loop_var.__chandle__() in vs) for lp in loops

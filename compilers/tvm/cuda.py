@@ -233,7 +233,7 @@ def kernel_arrays(kernel: Kernel, device: DeviceModule, x: np.ndarray) -> dict[s
         captured.extend(t.numpy() for t in tensors)
 
     CompiledKernel(kernel, capture)(x)  # type: ignore[arg-type]
-    return dict(zip(device.buffers, captured))
+    return dict(zip(device.buffers, captured, strict=True))
 
 
 class PlanWriter:
@@ -282,7 +282,7 @@ class PlanWriter:
             lines.append(f"buffer {name} {dtype} {a.size} {src}")
         shapes = {n: a.shape for n, a in run.arrays.items()}
         lines += [
-            _launch_line(k, launch) for k, launch in zip(device.kernels, device.launches(shapes))
+            _launch_line(k, launch) for k, launch in zip(device.kernels, device.launches(shapes), strict=True)
         ]
         out_dtype = device.buffers[run.out][0]
         if run.expected is not None:
@@ -302,7 +302,7 @@ class PlanWriter:
 def _launch_line(kernel: DeviceKernel, launch: Launch) -> str:
     args = [
         f"buf:{a}" if p.is_buffer else f"{_scalar_tag(p.dtype)}:{a}"
-        for p, a in zip(kernel.params, launch.args)
+        for p, a in zip(kernel.params, launch.args, strict=True)
     ]
     dims = " ".join(str(d) for d in (*launch.grid, *launch.block))
     return f"launch {launch.kernel} {dims} {len(args)} {' '.join(args)}"
@@ -350,7 +350,7 @@ class HarnessFunction:
     harness: Path
 
     def __call__(self, *tensors: Any) -> None:
-        arrays = {n: t.numpy() for n, t in zip(self.device.buffers, tensors)}
+        arrays = {n: t.numpy() for n, t in zip(self.device.buffers, tensors, strict=True)}
         out = list(self.device.buffers)[-1]
         with tempfile.TemporaryDirectory(prefix="qnorm-gpu-") as tmp:
             writer = PlanWriter(Path(tmp))

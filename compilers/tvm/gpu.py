@@ -223,7 +223,7 @@ class DeviceModule:
             got = tuple(shapes[name])
             if len(got) != len(dims):
                 raise ValueError(f"buffer {name!r} has {len(dims)} dimensions, got shape {got}")
-            for d, n in zip(dims, got):
+            for d, n in zip(dims, got, strict=True):
                 key = d.name if isinstance(d, tirx.Var) else None
                 if key is None and int(d) != n:
                     raise ValueError(f"buffer {name!r} has shape {dims}, got {got}")

@@ -97,7 +97,7 @@ class PoclFunction:
     names: tuple[str, ...]  # main's parameters, in order
 
     def __call__(self, *tensors: Any) -> None:
-        arrays = {n: t.numpy() for n, t in zip(self.names, tensors)}
+        arrays = {n: t.numpy() for n, t in zip(self.names, tensors, strict=True)}
         out = self.names[-1]
         arrays[out] = run(self.device, arrays, out)
         tensors[-1].copyfrom(arrays[out])
@@ -119,7 +119,7 @@ def run(device: DeviceModule, arrays: dict[str, np.ndarray], out: str) -> np.nda
         )
         for n, a in arrays.items()
     }
-    for kernel, launch in zip(device.kernels, launches):
+    for kernel, launch in zip(device.kernels, launches, strict=True):
         _enqueue(ctx.queue, program, kernel.params, launch, bufs)
     result = np.empty_like(arrays[out])
     cl.enqueue_copy(ctx.queue, result, bufs[out])
@@ -133,9 +133,9 @@ def _enqueue(
     import pyopencl as cl
 
     kernel = cl.Kernel(program, launch.kernel)
-    for i, (param, arg) in enumerate(zip(params, launch.args)):
+    for i, (param, arg) in enumerate(zip(params, launch.args, strict=True)):
         kernel.set_arg(i, bufs[arg] if param.is_buffer else np.dtype(param.dtype).type(arg))
-    size = tuple(g * b for g, b in zip(launch.grid, launch.block))
+    size = tuple(g * b for g, b in zip(launch.grid, launch.block, strict=True))
     cl.enqueue_nd_range_kernel(queue, kernel, size, launch.block)
 
 

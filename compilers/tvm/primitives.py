@@ -63,14 +63,14 @@ def staged_compute_many(
     roots = [tvm.runtime.convert(e) for e in fcompute(*axes)]
     if len(roots) != len(names):
         raise ValueError(f"{len(roots)} expressions for {len(names)} names")
-    named = {r.__chandle__(): n for r, n in zip(roots, names) if isinstance(r, tvm.ir.Expr)}
+    named = {r.__chandle__(): n for r, n in zip(roots, names, strict=True) if isinstance(r, tvm.ir.Expr)}
     stages: dict[int, te.Tensor] = {}
     forest = tvm.runtime.convert([r for r in roots if isinstance(r, tvm.ir.Expr)])
     for j, node in enumerate(shared_nodes_in_post_order(forest)):
         key = node.__chandle__()  # a result another result uses is staged under its name
         stages[key] = te.compute(shape, rebuilder(node, axes, stages), name=named.get(key, f"{names[0]}_s{j}"))
     out = []
-    for root, name in zip(roots, names):
+    for root, name in zip(roots, names, strict=True):
         if not isinstance(root, tvm.ir.Expr):
             out.append(te.compute(shape, _constant(root), name=name))
         elif root.__chandle__() in stages:
@@ -156,7 +156,7 @@ def rebuilder(
     axis_keys = [a.__chandle__() for a in axes]
 
     def fcompute(*idx: tirx.Var) -> Any:
-        by_axis = dict(zip(axis_keys, idx))
+        by_axis = dict(zip(axis_keys[: len(idx)], idx, strict=True))  # a stage may span leading axes only
         memo: dict[int, Any] = {}
 
         def mutate(x: Any, mutator: tvm_ffi.StructuralMutator) -> Any:

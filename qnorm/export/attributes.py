@@ -92,7 +92,7 @@ def norm_attributes(op: NormOp) -> dict[str, Any]:
         else:
             out[field.name] = int(value)
     p = op.params
-    out.update(zip(REFERENCE, (float64(p.gamma), float64(p.beta), float64(p.eps))))
+    out.update(zip(REFERENCE, (float64(p.gamma), float64(p.beta), float64(p.eps)), strict=True))
     return out
 
 

@@ -66,7 +66,7 @@ def batch_stats(ints: torch.Tensor, scale: float, *, sync: bool = False, group: 
         raise ValueError(f"batch too large for exact int64 statistics: {n} values up to |{peak}| per channel")
     sums, squares = sums.tolist(), squares.tolist()
     num, den = float(scale).as_integer_ratio()
-    dev = [n * q - s * s for s, q in zip(sums, squares)]
+    dev = [n * q - s * s for s, q in zip(sums, squares, strict=True)]
     return BatchStats(
         mean=np.array([s * num / (n * den) for s in sums]),
         var=np.array([v * num * num / (n * n * den * den) for v in dev]),

@@ -38,7 +38,7 @@ class _ExactSurrogate(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]  # x, *params
         with torch.enable_grad():
             leaves = [dequant.detach().requires_grad_(needs[0])]
-            leaves += [p.detach().requires_grad_(n) for p, n in zip(params, needs[1:])]
+            leaves += [p.detach().requires_grad_(n) for p, n in zip(params, needs[1:], strict=True)]
             y = ctx.surrogate(*leaves)
             wanted = [t for t in leaves if t.requires_grad]
             found = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True) if wanted else ())

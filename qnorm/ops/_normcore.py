@@ -677,7 +677,7 @@ def _config_of_key(key: tuple[Any, ...]) -> NormConfig:
         gain=zeros,
         shift=0,
         bias=zeros,
-        **dict(zip(_row_fields(cfg_cls), values)),
+        **dict(zip(_row_fields(cfg_cls), values, strict=True)),
     )
 
 
@@ -1328,7 +1328,7 @@ def _output_bias_exact(beta: np.ndarray, cfg: NormConfig, z_abs: int) -> tuple[i
     s_out = Fraction(cfg.out_fmt.scale)
     top, bottom = (cfg.out_fmt.hi + 1) << cfg.shift, (cfg.out_fmt.lo - 1) << cfg.shift
     out = []
-    for b, m in zip(beta.tolist(), cfg.gain):
+    for b, m in zip(beta.tolist(), cfg.gain, strict=True):
         b_int = round_rational(Fraction(b) * (1 << cfg.shift) / s_out)
         reach = z_abs * abs(m)
         out.append(min(max(b_int, bottom - reach), top + reach))

@@ -190,7 +190,7 @@ class RationalBN:
         ratios = [[v.as_integer_ratio() for v in a.ravel().tolist()] for a in (mean, beta, var, eps)]
         m = [fixed_ratio("mean / in_scale", a * in_d, k * in_n, frac_bits) for a, k in ratios[0]]
         b = [fixed_ratio("beta / out_scale", a * out_d, k * out_n, out_frac_bits) for a, k in ratios[1]]
-        d = [_std_q(a1 * k2 + a2 * k1, k1 * k2, in_n, in_d, frac_bits) for (a1, k1), (a2, k2) in zip(*ratios[2:])]
+        d = [_std_q(a1 * k2 + a2 * k1, k1 * k2, in_n, in_d, frac_bits) for (a1, k1), (a2, k2) in zip(*ratios[2:], strict=True)]
         gm, mq, dq, bq = (np.array(a, dtype=np.int64).reshape(shape) for a in (g, m, d, b))
         return cls(gm, shift, mq, dq, frac_bits, bq, out_frac_bits)
 
@@ -203,7 +203,7 @@ class RationalBN:
         f, fo, s = self.frac_bits, self.out_frac_bits, self.gamma_shift
         g, m, d, b = (a.ravel().tolist() for a in (self.gamma_m, self.mean_q, self.std_q, self.beta_q))
         slope = [gi << (f + fo) for gi in g]
-        offset = [(bi * di << s) - (gi * mi << fo) for gi, mi, di, bi in zip(g, m, d, b)]
+        offset = [(bi * di << s) - (gi * mi << fo) for gi, mi, di, bi in zip(g, m, d, b, strict=True)]
         den = [di << (s + fo) for di in d]
         return slope, offset, den
 
@@ -211,7 +211,7 @@ class RationalBN:
         """The exact x with ``z(x) = c`` per channel (None where gamma_q = 0)."""
         slope, offset, den = self.linear_form()
         cs = _per_channel(c, len(slope))
-        return [None if p == 0 else (ci * dn - q) / p for p, q, dn, ci in zip(slope, offset, den, cs)]
+        return [None if p == 0 else (ci * dn - q) / p for p, q, dn, ci in zip(slope, offset, den, cs, strict=True)]
 
     def fold_event(self, c: Fraction | Sequence[Fraction], strict: bool, lo: int, hi: int) -> FoldedEvent:
         """Fold ``z(x) >= c`` (``> c`` if strict) into one integer threshold per channel.
@@ -233,7 +233,7 @@ class RationalBN:
         slope, offset, den = self.linear_form()
         cs = _per_channel(c, len(slope))
         theta, negative, direction = [], [], []
-        for p, q, dn, ci in zip(slope, offset, den, cs):
+        for p, q, dn, ci in zip(slope, offset, den, cs, strict=True):
             r = ci * dn - q
             if p > 0:
                 t = math.floor(r / p) + 1 if strict else math.ceil(r / p)
@@ -256,7 +256,7 @@ class RationalBN:
         """Per channel, exact (min, max) of ``P x`` and of ``P x + Q`` for x in [lo_c, hi_c]."""
         slope, offset, _ = self.linear_form()
         out = []
-        for p, q, a, b in zip(slope, offset, lo, hi):
+        for p, q, a, b in zip(slope, offset, lo, hi, strict=True):
             pa, pb = sorted((p * a, p * b))
             out.append((pa, pb, pa + q, pb + q))
         return out

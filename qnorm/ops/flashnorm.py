@@ -206,7 +206,7 @@ class IntFlashNorm(IntOp):
         prods = [a * r for a in accs]
         rep.add("prod", Interval(min(p.lo for p in prods), max(p.hi for p in prods)))
         bias_scale = Interval(1 << (INV_FRAC + e_lo), 1 << (INV_FRAC + e_hi))
-        nums = [p * int(m_o) + bias_scale * int(b_o) for p, m_o, b_o in zip(prods, self.mult, self.bias)]
+        nums = [p * int(m_o) + bias_scale * int(b_o) for p, m_o, b_o in zip(prods, self.mult, self.bias, strict=True)]
         rep.add("num", Interval(min(v.lo for v in nums), max(v.hi for v in nums)))
         return rep
 

@@ -146,7 +146,7 @@ class BNQuant(_BNActBase):
         report.add("bn_denominator", Interval.hull(*den))
         report.check()  # refuse before dividing: div_round takes numerators within +-2^62
         # the level is monotone in the numerator for a fixed positive denominator
-        levels = [fp.div_round(v, d, self.cfg.mode) for b, d in zip(bounds, den) for v in b[2:]]
+        levels = [fp.div_round(v, d, self.cfg.mode) for b, d in zip(bounds, den, strict=True) for v in b[2:]]
         report.add("level", Interval.hull(*levels))
         report.add("output", report["level"].clamp(self.out_fmt.lo, self.out_fmt.hi))
         return report

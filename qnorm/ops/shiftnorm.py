@@ -233,7 +233,7 @@ class ShiftLayerNorm(NormOp):
         _, cands = mantissa_table(self.config.mantissa_terms)
         value = m * 0 + cands[0].value
         thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
-        for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands)):
+        for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands), strict=True):
             value = value + select(m >= t, cur.value - prev.value, 0)
         return record(trace, "rsqrt_pow2", value)
 

@@ -224,7 +224,7 @@ def _merge(hull: tuple | None, new: tuple) -> tuple:
     if hull is None:
         return new
     lo_hi = (np.minimum, np.maximum, np.minimum, np.maximum)
-    return tuple(f(a, b) for f, a, b in zip(lo_hi, hull, new))
+    return tuple(f(a, b) for f, a, b in zip(lo_hi, hull, new, strict=True))
 
 
 class _LIFNeuron(IntOp):
@@ -431,7 +431,7 @@ class MPBNNeuron(_LIFNeuron):
     def _threshold_ints(self) -> list[int]:
         """V D 2^S = (V / 2^Fo) Den: the BN threshold times the BN denominator."""
         bn = self.params.bn
-        return [v * d << bn.gamma_shift for v, d in zip(self.params.v_th_q.ravel().tolist(), bn.std_q.ravel().tolist())]
+        return [v * d << bn.gamma_shift for v, d in zip(self.params.v_th_q.ravel().tolist(), bn.std_q.ravel().tolist(), strict=True)]
 
     def _add_ranges(self, report: RangeReport) -> None:
         b = self.bounds

@@ -149,7 +149,7 @@ def replica_mismatches(module: nn.Module) -> list[str]:
         offset += raw.numel()
     verdict = torch.tensor(same, dtype=torch.int64)
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-    return [name for (name, _), ok in zip(named, verdict.tolist()) if not ok]
+    return [name for (name, _), ok in zip(named, verdict.tolist(), strict=True) if not ok]
 
 
 def _cpus() -> int:

@@ -545,7 +545,7 @@ class DigitsSNN(nn.Module):
         # The input is the same at every step, so the first conv runs once.
         current = self.convs[0](self.input_quant(x))
         spikes = self.neurons[0](current.unsqueeze(0).expand(steps, *current.shape))
-        for conv, neuron in zip(self.convs[1:], self.neurons[1:]):
+        for conv, neuron in zip(self.convs[1:], self.neurons[1:], strict=True):
             # Convs are stateless: run all T steps as one batch of T*B images.
             spikes = neuron(conv(spikes.flatten(0, 1)).unflatten(0, (steps, batch)))
         return self.readout(self.pool(spikes.mean(dim=0)).flatten(1))

@@ -245,7 +245,7 @@ class Report:
                 ]
             )
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
         lines += self._notes()
         return "\n".join(lines)
 

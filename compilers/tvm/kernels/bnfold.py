@@ -176,7 +176,7 @@ def lif_kernel(op: _LIFNeuron, schedule: Schedule = CPU) -> Kernel:
         x = IRBuilder.name("x", T.match_buffer(handles[0], (steps, rows, c_count), in_dtype))
         bufs = {
             c.name: IRBuilder.name(c.name, T.match_buffer(h, (c_count,), c.dtype))
-            for c, h in zip(consts, handles[1:-1])
+            for c, h in zip(consts, handles[1:-1], strict=True)
         }
         spikes = IRBuilder.name("spikes", T.match_buffer(handles[-1], (steps, rows, c_count), SPIKE_DTYPE))
 

@@ -56,7 +56,7 @@ def softmax_kernel(op: IntSoftmax, schedule: Schedule = CPU) -> Kernel:
     cfg, rep = op.config, op.ranges()
     n, dt = cfg.n, f"int{cfg.lanes}"
     names = ("term_table", "exp_table") if cfg.digits == 1 else ("exp_lo", "exp_hi")
-    consts = [ChannelConst(name, t) for name, t in zip(names, op.tables)]
+    consts = [ChannelConst(name, t) for name, t in zip(names, op.tables, strict=True)]
     tables = [c.placeholder() for c in consts]
     trace: dict[str, Any] = {}
 
