@@ -77,15 +77,6 @@ def finite_extremes(x: torch.Tensor, name: str = "input") -> tuple[float, float]
     raise ValueError(f"{name} contains Inf; Inf has no fixed-point value")
 
 
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value of a float tensor is finite, from its extremes alone (see
-    :func:`finite_extremes`)."""
-    if x.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(x.detach())
-    return bool((lo > -math.inf) & (hi < math.inf))
-
-
 def quantize_float(x: torch.Tensor, fmt: QFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`QFormat.quantize` (round half up, saturate) of a torch tensor, and the STE mask.
 
