@@ -539,6 +539,26 @@ def test_vectorized_round_log2_equals_the_rational_one():
     assert got.tolist() == [0 if x == 0 else round_log2(abs(Fraction(float(x)))) for x in v]
 
 
+def ref_ceil_log2(v: float) -> int:
+    q = Fraction(v)
+    k = q.numerator.bit_length() - q.denominator.bit_length()
+    while Fraction(2) ** k < q:
+        k += 1
+    while Fraction(2) ** (k - 1) >= q:
+        k -= 1
+    return k
+
+
+def test_ceil_log2_equals_the_rational_one():
+    """F_z's exponent (every derivation) read by frexp: powers of two, their float
+    neighbours, subnormals and random sizes give the exact rule's k."""
+    v = np.abs(log2_boundaries(np.random.default_rng(9), 3000))
+    v = v[v > 0].tolist() + [5e-324, 2.0**-1022, math.nextafter(2.0**-1022, 0.0), 1.7976931348623157e308]
+    assert [core.ceil_log2(x) for x in v] == [ref_ceil_log2(x) for x in v]
+    with pytest.raises((OverflowError, ValueError)):  # a non-finite gain is refused, as before
+        core.ceil_log2(math.inf)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorized_shift_gains_equal_the_rational_ones(seed):
     rng = np.random.default_rng([21, seed])

@@ -10,7 +10,7 @@ the same computation where the cost lies:
   numpy view share memory, and a numpy call on a few hundred values costs a
   microsecond where a torch call costs several.  These are the definition's own
   functions, so the per-row constants are the golden op's by construction.
-* **Per element, on torch, fused under the default rounding (half up)**: the
+* **Per element, on numpy too, fused under the default rounding (half up)**: the
   rounding half of ``z = round((x·a − c) / 2^K)`` and of ``y = round(acc / 2^s)``
   is folded into the row offset and the channel bias (``(v + 2^(K−1)) >> K`` is
   half up, exactly), so the chain is
@@ -25,7 +25,8 @@ the same computation where the cost lies:
 * **Lanes**: int32 where every operand and result is proven below 2^31 — the
   window stages by the op's own lane check (``lanes = 32``: each fits 31 bits), the
   row stage by the bound :func:`_row_stage_bound` proves from the op's range report
-  — else int64.  int32 halves the memory each step touches.
+  — else int64.  int32 halves the memory each step touches.  The result is handed
+  back as a torch tensor sharing the array's memory.
 
 Other tie rules, and devices other than the CPU, run the golden body itself (numpy
 on the CPU, torch elsewhere).  ``tests/test_nn_elementchain.py`` checks the chain
@@ -82,13 +83,16 @@ class ElementChain:
             return
         half_s = (1 << cfg.shift) >> 1
 
-        def channel(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.dtype)
+        np_dtype = np.int32 if self.dtype == torch.int32 else np.int64
 
+        def channel(values: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(values, dtype=np.int64).astype(np_dtype)
+
+        self._np_dtype = np_dtype
         self._lo, self._hi, self._off = channel(win.lo), channel(win.hi), channel(win.off)
         self._gain, self._bias = channel(op._gain), channel(win.bias + half_s)
-        self._shift = cfg.shift
-        self._out = (cfg.out_fmt.lo, cfg.out_fmt.hi)
+        self._shift = np_dtype(cfg.shift)
+        self._out = (np_dtype(cfg.out_fmt.lo), np_dtype(cfg.out_fmt.hi))
 
     def __call__(self, ints: torch.Tensor) -> torch.Tensor:
         """The op's integers for int64 ``ints`` (rows on the last axis, inside its
@@ -102,22 +106,28 @@ class ElementChain:
                 return torch.from_numpy(self.op._forward(x, None))
             s1, r, e = self.op.row_inverse(x)
             a0, c0, up, k = row_affine_parts(s1, r, e, self.op.config, self.op._mult_shift)
-        return self._elements(ints, a0, c0, up, k)
+        return torch.from_numpy(self._elements(x, a0, c0, up, k))
 
-    def _elements(self, ints: torch.Tensor, a0: np.ndarray, c0: np.ndarray | int, up: np.ndarray,
-                  k: np.ndarray) -> torch.Tensor:  # fmt: skip
-        """Stages 3 and 4 per element, the rounding halves folded into c0 and the bias."""
-        np_dtype = np.int32 if self.dtype == torch.int32 else np.int64
+    def _elements(self, x: np.ndarray, a0: np.ndarray, c0: np.ndarray | int, up: np.ndarray,
+                  k: np.ndarray) -> np.ndarray:  # fmt: skip
+        """Stages 3 and 4 per element, the rounding halves folded into c0 and the bias.
+
+        In place on one array, in numpy: on the few thousand values of a QAT batch each
+        numpy step costs a few microseconds where a torch call costs tens.  Every value
+        fits the lanes (proven), so the lanes' wrap-around never happens."""
+        dt = self._np_dtype
         offset = c0 - ((np.int64(1) << k) >> 1)
-        x = ints.to(self.dtype)
-        z = x * torch.from_numpy(a0.astype(np_dtype))
-        z -= torch.from_numpy(offset.astype(np_dtype))
-        z >>= torch.from_numpy(k.astype(np_dtype))
+        z = x.astype(dt)
+        z *= a0.astype(dt)
+        z -= offset.astype(dt)
+        z >>= k.astype(dt)
         if up.any():
-            z <<= torch.from_numpy(up.astype(np_dtype))
-        zc = torch.clamp(z, self._lo, self._hi)
-        zc -= self._off
-        zc *= self._gain
-        zc += self._bias
-        zc >>= self._shift
-        return zc.clamp_(*self._out)
+            z <<= up.astype(dt)
+        np.maximum(z, self._lo, out=z)
+        np.minimum(z, self._hi, out=z)
+        z -= self._off
+        z *= self._gain
+        z += self._bias
+        z >>= self._shift
+        np.maximum(z, self._out[0], out=z)
+        return np.minimum(z, self._out[1], out=z)

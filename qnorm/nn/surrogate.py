@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qnorm.nn.quantizer import QuantizedInput, int_quant_tensor_type
+from qnorm.nn.quantizer import QuantizedInput, exact_float, int_quant_tensor_type
 from qnorm.qformat import QFormat
 
 Output = torch.Tensor | Any  # Any: a brevitas IntQuantTensor (brevitas is optional)
@@ -60,33 +60,17 @@ def exact_forward(
     return _ExactSurrogate.apply(ints, float(out_scale), surrogate, q.dequant, q.pass_mask, q.value, *params)
 
 
-class _StraightThrough(torch.autograd.Function):
-    """Forward: the dequantized input.  Backward: the gradient to the float input, times
-    the quantizer's pass mask (None: passed as it is)."""
+def _with_value(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``t`` (a fresh result of a differentiable op) with its values replaced by
+    ``value``'s, its gradient path kept.
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dequant: torch.Tensor, pass_mask: torch.Tensor | None) -> torch.Tensor:
-        ctx.has_mask = pass_mask is not None
-        if ctx.has_mask:
-            ctx.save_for_backward(pass_mask)
-        return dequant.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (grad * ctx.saved_tensors[0] if ctx.has_mask else grad), None, None
-
-
-class _ExactValue(torch.autograd.Function):
-    """Forward: ``ints * scale`` in the surrogate's dtype.  Backward: the gradient to the
-    surrogate's output, unchanged (the surrogate's own graph carries it on)."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, ints: torch.Tensor, out_scale: float) -> torch.Tensor:
-        return ints.to(y.dtype) * out_scale
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return grad, None, None
+    The copy runs outside autograd, so the graph still differentiates the op that
+    made ``t``; that op's backward must not read its own output (a product, a clone,
+    a clamp: they read their inputs), which the callers below guarantee.  One copy
+    and no Python autograd node: this is what keeps the backward in C++."""
+    with torch.no_grad():
+        t.copy_(value)
+    return t
 
 
 def exact_forward_in_graph(
@@ -95,18 +79,23 @@ def exact_forward_in_graph(
     """:func:`exact_forward`'s value and gradients, the surrogate evaluated in the forward.
 
     The surrogate runs once, in the forward's own autograd graph, at the dequantized
-    input (passed through the quantizer's straight-through mask); its output value is
-    then replaced by the exact ``ints * out_scale`` while its gradient flows on.  The
-    gradients are those of :func:`exact_forward` (the same surrogate at the same
+    input, passed through the quantizer's straight-through estimator: ``x · mask``
+    (``x`` itself without a mask) with the dequantized values written in, so the
+    gradient to ``x`` is ``grad · mask``.  Its output is cloned and the exact
+    ``ints * out_scale`` written into the clone: its gradient flows on unchanged.
+    The gradients are those of :func:`exact_forward` (the same surrogate at the same
     point), without a second autograd pass inside the backward; the surrogate must
     not change state, as there.  Without a gradient to compute (no_grad, or nothing
     requiring one) only the exact value is formed.
     """
     value = q.value
+    exact = exact_float(ints, value.dtype) * float(out_scale)
     if not torch.is_grad_enabled() or not (value.requires_grad or any(p.requires_grad for p in params)):
-        return ints.to(value.dtype) * float(out_scale)
-    xd = _StraightThrough.apply(value, q.dequant, q.pass_mask) if value.requires_grad else q.dequant
-    return _ExactValue.apply(surrogate(xd, *params), ints, float(out_scale))
+        return exact
+    xd = q.dequant
+    if value.requires_grad:
+        xd = _with_value(value * q.pass_mask if q.pass_mask is not None else value.clone(), xd)
+    return _with_value(surrogate(xd, *params).clone(), exact)
 
 
 def to_output(y: torch.Tensor, fmt: QFormat, quant_tensor: bool, training: bool) -> Output:

@@ -275,11 +275,20 @@ class ShiftLayerNorm(NormOp):
         ratio_e = n / d."""
         prod = 0
         h = cfg.num_shift
+        _, cands = mantissa_table(cfg.mantissa_terms)
+        thresholds = mantissa_thresholds(cfg.mantissa_terms, cfg.mant_bits)
+        last = len(cands) - 1
         for e, u_iv in by_exp.items():
             (rn, rd), u_cap = stat.ratio_terms(segs[e]), max(-u_iv.lo, u_iv.hi)
-            for cand, seg in cls._segments(cfg, mantissa_range(e, segs[e], cfg)):
-                u = min(u_cap, math.isqrt((rn * (seg.hi + (e > 0)) << (2 * h)) // rd) + (e > h))
-                prod = max(prod, u * cand.value)
+            m = mantissa_range(e, segs[e], cfg)
+            # The candidates' parts of M's range as in :meth:`_segments` (its upper ends
+            # only: u grows with M), without building an Interval per candidate.
+            for i, cand in enumerate(cands):
+                lo = m.lo if i == 0 else max(thresholds[i - 1], m.lo)
+                hi = m.hi if i == last else min(thresholds[i] - 1, m.hi)
+                if lo <= hi:
+                    u = min(u_cap, math.isqrt((rn * (hi + (e > 0)) << (2 * h)) // rd) + (e > h))
+                    prod = max(prod, u * cand.value)
         return prod
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
