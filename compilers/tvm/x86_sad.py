@@ -1,4 +1,4 @@
-"""L1LayerNorm's Σ|N·x − S| as ``vpsadbw`` on x86: a target-specific rewrite of scheduled TIR.
+"""L1LayerNorm's row sums as ``vpsadbw`` on x86: a target-specific rewrite of scheduled TIR.
 
 Why.  L1LayerNorm's statistic needs a second pass over the row after S = Σx:
 Σ_k |N·x_k − S|.  From TE, LLVM makes that pass 20 instructions per 32 int8
@@ -17,29 +17,31 @@ the statistic can be written with it exactly.  With t = ⌊S/N⌋ and D = S − 
 and Σ|x − τ| over int8 x, for τ in [−128, 127], is ``vpsadbw`` of x ^ 0x80 against
 the byte τ + 128 (both shifted into unsigned bytes by the same 128).  A τ outside
 the int8 range (t + 1 = 128, or any t of a sum S that is not Σx) is clamped to τc,
-and N'·|τ − τc| added: every x then lies on one side of τ, so |x − τ| = |x − τc| +
-|τ − τc|.  The row's tail of N mod (chunk bytes) elements is summed as written.
+and |τ − τc| added per element: every x then lies on one side of τ, so
+|x − τ| = |x − τc| + |τ − τc|.  The first pass, S = Σx, is the same instruction
+against τ = −128: Σx = Σ|x + 128| − 128·N, one ``vpsadbw`` per chunk where LLVM
+widens and adds (8 instructions per 32 bytes).  The row's tail of N mod (chunk
+bytes) elements is summed as written.
 
-LLVM does not form ``vpsadbw`` from the TE reduction, and TVM 0.27's ``tensorize``
-crashes on it, so the reduction's loop is replaced after scheduling by a block
+LLVM does not form ``vpsadbw`` from the TE reductions, and TVM 0.27's ``tensorize``
+crashes on them, so each reduction's loop is replaced after scheduling by a block
 that calls the LLVM intrinsic.  The target is only known where the module is
 built, so :func:`rewrite` runs there (:func:`compilers.tvm.build.build` and the
 whole-model compile in :mod:`compilers.tvm.graph`), before the build-cache key is
-taken, so the key is of the rewritten text.  It matches one shape strictly: a
-reduction block accumulating ``|int(x[r, k])·N − S[r]|`` over k in [0, N), x int8,
-the absolute value as TIR writes it (a Select), N the reduction's extent.
-Anything else, and every target without AVX2 (aarch64, riscv64, GPUs, C), is left
-as it is.
+taken, so the key is of the rewritten text.  It matches two shapes strictly: a
+reduction block over k in [0, N) (N the reduction's extent, x an int8 (rows, N)
+buffer) accumulating ``int(x[r, k])``, or ``|int(x[r, k])·N − S[r]|`` with the
+absolute value as TIR writes it (a Select).  Anything else, and every target
+without AVX2 (aarch64, riscv64, GPUs, C), is left as it is.  IntLayerNorm and
+ShiftLayerNorm sum x with x² in one loop, which does not match: only L1's sums move.
 
-Measured (AMD EPYC Zen 3, AVX2, 1 thread, whole int8 L1LayerNorm kernels,
-interleaved with IntLayerNorm's on a shared machine): the rewritten kernel runs
-1.08-1.17x the TE one at N = 256, 512 and 768, 1.04-1.09x at 128 and 4096, and
-0.96-0.98x at N = 64, where the blocked schedule of short rows (16 rows a block,
-:mod:`compilers.tvm.cpu`) already keeps the TE pass cheap: see :data:`MIN_ROW`.
+Measured (AMD EPYC Zen 3, AVX2, 1 thread, whole int8 L1LayerNorm kernels
+interleaved with IntLayerNorm's on a shared machine): see :data:`MIN_ROW`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +60,12 @@ _FORMS: tuple[tuple[str, int, str], ...] = (
     ("avx512bw", 64, "llvm.x86.avx512.psad.bw.512"),
     ("avx2", 32, "llvm.x86.avx2.psad.bw"),
 )
-# Rows shorter than this keep the TE reduction: at N = 64 (two 32-byte chunks) the
-# rewritten kernel measured 0.96-0.98x the TE one, at 128 and longer faster.
+# Rows shorter than this keep the TE reductions.  Whole kernels, rewritten against TE
+# (interleaved, two runs each): 1.13-1.19x at N = 768, 1.24x at 4096, 1.11x at 256,
+# 1.02-1.04x at 128; at 64, where the blocked schedule of short rows (16 rows a
+# block, compilers.tvm.cpu) already keeps the TE passes cheap, 0.96-0.98x.  Against
+# IntLayerNorm the rewritten L1 kernel ran 1.10-1.12x at 768 and 1.08-1.11x at 4096
+# (the TE one 0.92-0.99x and 0.87-0.89x).
 MIN_ROW = 128
 
 
@@ -128,25 +134,27 @@ def rewrite_func(func: tirx.PrimFunc, form: SadForm) -> tirx.PrimFunc:
 
 
 @dataclass(frozen=True)
-class _L1Sum:
-    """A matched ``acc[r] (+)= Σ_k |int(x[r, k])·N − S|`` loop."""
+class _RowSum:
+    """A matched ``acc[r] (+)= Σ_k |int(x[r, k])·N − S|`` loop, or (``centre`` None)
+    ``acc[r] (+)= Σ_k x[r, k]``."""
 
     realize: Any  # the reduction block's SBlockRealize (its row binding and predicate)
     row: tirx.Var  # the block's row axis
     x: Any  # the int8 (rows, N) buffer
-    sum_expr: Any  # S, in the block's terms (a load of v_r, maybe cast)
+    centre: Any  # S, in the block's terms (a load of v_r, maybe cast); None: a plain sum
     acc: Any  # the accumulator buffer
     n: int
     has_init: bool  # the block zeroes acc itself (else a decomposed init block did)
 
 
-def _match(loop: tirx.For) -> _L1Sum | None:
-    """The L1 statistic reduction whose loop is ``loop``, or None.
+def _match(loop: tirx.For) -> _RowSum | None:
+    """The row reduction whose loop is ``loop``, if it is one of the two forms, or None.
 
     Every piece is checked: the loop runs k over [0, N) serially, binding the
     block's reduction axis directly; the block writes one accumulator element per
-    row; its update is ``acc[r] + |int(x[r, k])·N − S|`` with the absolute value
-    exactly as TIR lowers ``abs`` (``Select(0 <= e, e, S − int(x)·N)``).
+    row; its update is ``acc[r] + int(x[r, k])`` (x int8) or ``acc[r] +
+    |int(x[r, k])·N − S|`` with the absolute value exactly as TIR lowers ``abs``
+    (``Select(0 <= e, e, S − int(x)·N)``).
     """
     realize = loop.body
     if not (isinstance(realize, tvm.s_tir.SBlockRealize) and loop.kind == tirx.ForKind.SERIAL):
@@ -170,7 +178,7 @@ def _match(loop: tirx.For) -> _L1Sum | None:
         return None
     acc = store.buffer
     acc_dtype = str(acc.dtype)
-    if acc_dtype not in ("int32", "int64"):
+    if acc_dtype not in ("int16", "int32", "int64"):
         return None
     has_init = block.init is not None
     if has_init and not _zeroes(block.init, acc, row):
@@ -181,11 +189,13 @@ def _match(loop: tirx.For) -> _L1Sum | None:
     term = value.b
     if isinstance(term, tirx.Cast) and _dtype(term) == acc_dtype:
         term = term.value
+    if _row_element(term, row, k, n):
+        return _RowSum(realize, row, term.source, None, acc, n, has_init)
     parts = _abs_of_centered(term, row, k, n)
     if parts is None:
         return None
-    x, sum_expr = parts
-    return _L1Sum(realize, row, x, sum_expr, acc, n, has_init)
+    x, centre = parts
+    return _RowSum(realize, row, x, centre, acc, n, has_init)
 
 
 def _abs_of_centered(term: Any, row: tirx.Var, k: tirx.Var, n: int) -> tuple[Any, Any] | None:
@@ -200,19 +210,22 @@ def _abs_of_centered(term: Any, row: tirx.Var, k: tirx.Var, n: int) -> tuple[Any
     if not (_is_int(scale, n) and isinstance(widened, tirx.Cast) and _dtype(widened) == dtype):
         return None
     load = widened.value
-    if not isinstance(load, tvm.ir.expr.TensorLoad) or str(load.source.dtype) != "int8":
-        return None
-    x = load.source
-    if len(x.shape) != 2 or not _is_int(x.shape[1], n) or not _indexes(load.indices, [row, k]):
-        return None
-    if not _per_row(sum_expr, row):
+    if not _row_element(load, row, k, n) or not _per_row(sum_expr, row):
         return None
     zero = tirx.const(0, dtype)
     want_cond = tirx.LE(zero, e)
     want_neg = tirx.Sub(sum_expr, e.a)
     if not (tvm_ffi.structural_equal(term.condition, want_cond) and tvm_ffi.structural_equal(term.false_value, want_neg)):
         return None
-    return x, sum_expr
+    return load.source, sum_expr
+
+
+def _row_element(expr: Any, row: tirx.Var, k: tirx.Var, n: int) -> bool:
+    """``expr`` is ``x[row, k]`` of an int8 (rows, n) buffer."""
+    if not isinstance(expr, tvm.ir.expr.TensorLoad) or str(expr.source.dtype) != "int8":
+        return False
+    x = expr.source
+    return len(x.shape) == 2 and _is_int(x.shape[1], n) and _indexes(expr.indices, [row, k])
 
 
 def _per_row(expr: Any, row: tirx.Var) -> bool:
@@ -249,7 +262,7 @@ def _is_int(expr: Any, value: int) -> bool:
 # --------------------------------------------------------------------------- the psadbw block
 
 
-def _sad_realize(m: _L1Sum, form: SadForm) -> tvm.s_tir.SBlockRealize:
+def _sad_realize(m: _RowSum, form: SadForm) -> tvm.s_tir.SBlockRealize:
     """A block computing the matched accumulator element with ``form`` (module docstring).
 
     Its row axis, binding and predicate are the reduction block's; it reads the
@@ -274,46 +287,80 @@ def _sad_realize(m: _L1Sum, form: SadForm) -> tvm.s_tir.SBlockRealize:
     return tvm.s_tir.SBlockRealize([m.realize.iter_values[0]], m.realize.predicate, block)
 
 
-def _sad_body(m: _L1Sum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
-    """The statements of one row's Σ|N·x − S| at row ``r``, and the scratch buffers they use.
+def _sad_body(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+    """The statements of one row's sum at row ``r``, and the scratch buffers they use."""
+    return (_plain_sum if m.centre is None else _abs_sum)(m, form, r)
 
-    t = ⌊S/N⌋ and D = S − N·t; the chunks' two ``vpsadbw`` sums (against t and
-    t + 1, each clamped into int8: the clamp's distance counts once per covered
-    element), the tail as written, then (N − D)·Σ|x − t| + D·Σ|x − t − 1| + tail.
-    """
+
+def _abs_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+    """Σ|N·x − S|: t = ⌊S/N⌋, D = S − N·t, then (N − D)·Σ|x − t| + D·Σ|x − t − 1| + tail."""
     i64 = "int64"
     n = tirx.const(m.n, i64)
-    s = _rename(m.sum_expr, m.row, r)
+    s = _rename(m.centre, m.row, r)
     s = s if _dtype(s) == i64 else tirx.Cast(i64, s)
     t, d = tirx.Var("t", i64), tirx.Var("d", i64)
-    taus = [t, t + tirx.const(1, i64)]
+    steps, (below, above), tail, scratch = _sad_sums(
+        m, form, r, [t, t + tirx.const(1, i64)], lambda xk: _absdiff(xk * n, s)
+    )
+    total = (n - d) * below + d * above + tail
+    body = [tirx.Bind(t, tirx.floordiv(s, n)), tirx.Bind(d, s - n * t), *steps, _accumulate(m, r, total)]
+    return tirx.SeqStmt(body), scratch
+
+
+def _plain_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+    """Σx = Σ|x − (−128)| − 128·(elements the chunks cover) + tail: one ``vpsadbw`` per
+    chunk where LLVM widens and adds (8 instructions per 32 bytes)."""
+    low = tirx.const(-128, "int64")
+    steps, (shifted,), tail, scratch = _sad_sums(m, form, r, [low], lambda xk: xk)
+    total = shifted + low * _covered(m, form) + tail
+    return tirx.SeqStmt([*steps, _accumulate(m, r, total)]), scratch
+
+
+def _sad_sums(
+    m: _RowSum, form: SadForm, r: tirx.Var, taus: list[Any], tail_term: Callable[[Any], Any]
+) -> tuple[list[tirx.Stmt], list[Any], Any, list[Any]]:
+    """Statements summing row ``r``; then Σ|x − τ| over the chunks for each τ of ``taus``,
+    the tail's Σ tail_term(int64(x)), and the scratch buffers.
+
+    Each τ is clamped into int8 for ``vpsadbw`` and the clamp's distance added once
+    per element the chunks cover (every int8 x then lies on one side of τ).
+    """
+    i64 = "int64"
     clamped = [tirx.max(tirx.min(tau, tirx.const(127, i64)), tirx.const(-128, i64)) for tau in taus]
     # "global" scope: buffers this small then live on the stack (LLVM keeps them in
     # registers); "local" ones became heap workspace allocations on every row
-    sums = [tirx.decl_buffer((form.lanes,), i64, f"sad{i}", scope="global") for i in range(2)]
+    sums = [tirx.decl_buffer((form.lanes,), i64, f"sad{i}", scope="global") for i in range(len(taus))]
     tail = tirx.decl_buffer((1,), i64, "tail", scope="global")
     lanes = tirx.Ramp(tirx.const(0, "int32"), tirx.const(1, "int32"), form.lanes)
-    covered = (m.n // form.chunk) * form.chunk  # elements the chunks sum
-    totals = [
-        tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
-        + tirx.const(covered, i64) * _absdiff(tau, tc)
-        for buf, tau, tc in zip(sums, taus, clamped)
-    ]
-    total = (n - d) * totals[0] + d * totals[1] + tail[0]
-    total = total if str(m.acc.dtype) == i64 else tirx.Cast(str(m.acc.dtype), total)
-    body = [
-        tirx.Bind(t, tirx.floordiv(s, n)),
-        tirx.Bind(d, s - n * t),
+    covered = _covered(m, form)
+    steps = [
         *(tirx.BufferStore(buf, tirx.Broadcast(tirx.const(0, i64), form.lanes), [lanes]) for buf in sums),
         tirx.BufferStore(tail, tirx.const(0, i64), [0]),
         _chunk_loop(m, form, r, sums, clamped, lanes),
-        _tail_loop(m, r, s, covered, tail),
-        tirx.BufferStore(m.acc, total if m.has_init else m.acc[r] + total, [r]),
+        _tail_loop(m, r, covered, tail, tail_term),
     ]
-    return tirx.SeqStmt(body), [*sums, tail]
+    totals = [
+        tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
+        + covered * _absdiff(tau, tc)
+        for buf, tau, tc in zip(sums, taus, clamped)
+    ]
+    return steps, totals, tail[0], [*sums, tail]
 
 
-def _chunk_loop(m: _L1Sum, form: SadForm, r: tirx.Var, sums: list[Any], taus: list[Any], lanes: Any) -> tirx.For:
+def _covered(m: _RowSum, form: SadForm) -> Any:
+    """How many elements of a row the whole chunks hold (int64)."""
+    return tirx.const(m.n // form.chunk * form.chunk, "int64")
+
+
+def _accumulate(m: _RowSum, r: tirx.Var, total: Any) -> tirx.BufferStore:
+    """``acc[r] = total`` (the block zeroed acc) or ``acc[r] += total`` (an init block did),
+    in acc's dtype: the op proves the sum fits it, and int64 holds every partial value."""
+    dtype = str(m.acc.dtype)
+    total = total if dtype == "int64" else tirx.Cast(dtype, total)
+    return tirx.BufferStore(m.acc, total if m.has_init else m.acc[r] + total, [r])
+
+
+def _chunk_loop(m: _RowSum, form: SadForm, r: tirx.Var, sums: list[Any], taus: list[Any], lanes: Any) -> tirx.For:
     """``sums[i] += vpsadbw(x ^ 0x80, taus[i] + 128)`` over the row's whole chunks."""
     w = form.chunk
     j = tirx.Var("j", "int32")
@@ -324,16 +371,17 @@ def _chunk_loop(m: _L1Sum, form: SadForm, r: tirx.Var, sums: list[Any], taus: li
         byte = tirx.Broadcast((tau + tirx.const(128, "int64")).astype("uint8"), w)
         sad = tirx.call_llvm_pure_intrin(f"int64x{form.lanes}", form.intrinsic, flipped, byte)
         steps.append(tirx.BufferStore(buf, buf[lanes] + sad, [lanes]))
-    return tirx.For(j, tirx.const(0, "int32"), tirx.const(m.n // w, "int32"), tirx.ForKind.SERIAL, tirx.SeqStmt(steps))
+    body = steps[0] if len(steps) == 1 else tirx.SeqStmt(steps)
+    return tirx.For(j, tirx.const(0, "int32"), tirx.const(m.n // w, "int32"), tirx.ForKind.SERIAL, body)
 
 
-def _tail_loop(m: _L1Sum, r: tirx.Var, s: Any, start: int, tail: Any) -> tirx.For:
-    """``tail += |N·x − S|`` (int64) over the columns after the last whole chunk."""
+def _tail_loop(m: _RowSum, r: tirx.Var, start: Any, tail: Any, term: Callable[[Any], Any]) -> tirx.For:
+    """``tail += term(int64(x))`` over the columns after the last whole chunk."""
     k = tirx.Var("k", "int32")
-    term = tirx.Cast("int64", m.x[r, k]) * tirx.const(m.n, "int64") - s
+    first = int(start)
     return tirx.For(
-        k, tirx.const(start, "int32"), tirx.const(m.n - start, "int32"), tirx.ForKind.SERIAL,
-        tirx.BufferStore(tail, tail[0] + _absdiff(term, tirx.const(0, "int64")), [0]),
+        k, tirx.const(first, "int32"), tirx.const(m.n - first, "int32"), tirx.ForKind.SERIAL,
+        tirx.BufferStore(tail, tail[0] + term(tirx.Cast("int64", m.x[r, k])), [0]),
     )
 
 
