@@ -99,6 +99,29 @@ def test_other_norms_and_short_rows_keep_their_te_reduction():
         assert x86_sad.rewrite(mod, x86(*V4)) is mod
 
 
+@pytest.mark.parametrize(
+    "dtype,scale,squared",
+    [("int8", 1, False), ("int16", 0, False), ("int8", 0, True)],
+    ids=["scale N+1", "int16 x", "squares"],
+)
+def test_near_misses_are_left_alone(dtype, scale, squared):
+    """Only Σx and Σ|N·x − S| over int8 rows match: another scale, a wider x or another
+    term keeps the TE reduction."""
+    n = 256
+    rows = te.var("rows", "int64")
+    x = te.placeholder((rows, n), dtype, name="x")
+    s = te.placeholder((rows,), "int32", name="s")
+    k = te.reduce_axis((0, n), "k")
+
+    def term(r):
+        v = x[r, k].astype("int32")
+        return v * v if squared else tirx.abs(v * (n + scale) - s[r])
+
+    out = te.compute((rows,), lambda r: te.sum(term(r), axis=k), name="out")
+    mod = tvm.IRModule({"main": te.create_prim_func([x, s, out])})
+    assert x86_sad.rewrite(mod, x86(*V4)) is mod
+
+
 @pytest.mark.parametrize("flags,register", [(V3, "%ymm"), (V4, "%zmm")])
 def test_rewritten_kernel_compiles_to_vpsadbw(flags, register):
     target = x86(*flags)
