@@ -27,6 +27,7 @@ import tvm_ffi
 from tvm import tirx
 
 from compilers import cache
+from compilers.tvm import x86_sad
 from qnorm.targets import Target
 
 _KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
@@ -98,7 +99,8 @@ def build(mod: tirx.PrimFunc | tvm.IRModule, target: Target, *, allow_float: boo
         raise ValueError(
             f"target {target.name!r} has TVM kind {target.tvm['kind']!r}; build() links llvm or c"
         )
-    mod = _as_module(mod)
+    # target-specific instructions first: the cache key is of the text that is compiled
+    mod = x86_sad.rewrite(_as_module(mod), target)
     if not allow_float:
         bad = non_integer_dtypes(mod)
         if bad:
