@@ -248,7 +248,7 @@ def _loads(expr: Any, buffer: Any, index: list[tirx.Var]) -> bool:
 
 
 def _indexes(indices: Any, want: list[tirx.Var]) -> bool:
-    return len(indices) == len(want) and all(i.same_as(w) for i, w in zip(indices, want))
+    return len(indices) == len(want) and all(i.same_as(w) for i, w in zip(indices, want, strict=True))
 
 
 def _zeroes(init: Any, acc: Any, row: tirx.Var) -> bool:
@@ -346,7 +346,7 @@ def _sad_sums(
     totals = [
         tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
         + covered * _absdiff(tau, tc)
-        for buf, tau, tc in zip(sums, taus, clamped)
+        for buf, tau, tc in zip(sums, taus, clamped, strict=True)
     ]
     return steps, totals, tail[0], [*sums, tail]
 
@@ -371,7 +371,7 @@ def _chunk_loop(m: _RowSum, form: SadForm, r: tirx.Var, sums: list[Any], taus: l
     chunk = m.x[r, tirx.Ramp(j * w, tirx.const(1, "int32"), w)]
     flipped = tirx.reinterpret(f"uint8x{w}", chunk) ^ tirx.Broadcast(tirx.const(128, "uint8"), w)
     steps = []
-    for buf, tau in zip(sums, taus):
+    for buf, tau in zip(sums, taus, strict=True):
         byte = tirx.Broadcast((tau + tirx.const(128, "int64")).astype("uint8"), w)
         sad = tirx.call_llvm_pure_intrin(f"int64x{form.lanes}", form.intrinsic, flipped, byte)
         steps.append(tirx.BufferStore(buf, buf[lanes] + sad, [lanes]))
