@@ -25,8 +25,10 @@ the stages walk in order, each bank handed from stage to stage:
   the isqrt is one compare-subtract per clock on one set of registers
   (:func:`~compilers.rtl.values.divide_serial`,
   :func:`~compilers.rtl.values.isqrt_serial`; an isqrt of a quotient digests
-  its bits as the divider produces them); at clock D the results are latched
-  into the bank and the engine takes the next row on the same clock;
+  its bits as the divider produces them); the engine copies the row's sums out
+  of the bank when it takes the row (its first clock reads registers, not the
+  bank mux); at clock D (a ``done`` register set on clock D − 1) the results
+  are latched into the bank and the engine takes the next row on the same clock;
 * out — reads the buffer (READ_LATENCY clocks: the memory's read register and
   one more), one element per clock, through the element chain (``x·a − c``,
   the rounding shift, the output window, gain, bias, rounding, saturation)
@@ -34,14 +36,18 @@ the stages walk in order, each bank handed from stage to stage:
 
 Every pipeline and schedule also registers where an estimated path would
 outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
-product wider than a DSP port into registered limb products.
+product wider than a DSP port into registered limb products.  ShiftLayerNorm's
+γ is a shift, so its element path's only products (x·a, and the statistic's
+x²) are built in logic (:func:`~compilers.rtl.values.lut_product`): it takes no
+DSP block per element, only in its row engine.
 
 The engine's hardware is one row's worth, not D levels of it: a row arrives
 only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
 N), MAX_ENGINES)`` engines take the rows in turn, and N >= (D + 1) / E streams
 at **one element per clock**.  Int8 rows of 64: D = 61 IntLayerNorm (its
 division and the square root of the quotient: 33 clocks), 54 RMSNorm, 43 L1,
-29 ShiftLayerNorm, so one engine each; L = 12-13.  With S = Σ S_p,
+30 ShiftLayerNorm, so one engine each; L = 13 RMSNorm, 14 IntLayerNorm and L1,
+16 ShiftLayerNorm (its x·a tree: two more levels).  With S = Σ S_p,
 ``B = P + 1 + min(ceil((S + D + 2) / N), EXTRA_BANKS)`` banks: a bank is held
 from its row's first input until its last element is read out,
 P·N + S + D + N + 2 cycles, so with B banks a new row starts every N cycles

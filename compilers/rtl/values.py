@@ -39,7 +39,9 @@ Timing.  In a pipeline or a schedule each operation has an estimated logic
 depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
 would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
 its readers; a product whose wider operand exceeds a DSP port (:data:`DSP_BITS`,
-the other fitting) becomes registered limb products added a level later.
+the other fitting) becomes registered limb products added a level later, and a
+product moved into logic (:meth:`Hdl.in_luts`) a tree of shifted adds with a
+register after each level (:func:`lut_product`).
 Widths: besides the recorded values, every value whose operands have bounds
 (constants, recorded values, tables, and ``+ - *``, shifts, selects, divisions
 and roots of bounded values) gets a wire of its bound's width, where Amaranth's
