@@ -13,7 +13,7 @@ from cache_damage import flip_byte
 
 pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip install -e '.[fpga]')")
 
-from amaranth import Module, Signal
+from amaranth import Module, Signal, signed
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.sim import Simulator
@@ -22,8 +22,12 @@ from compilers import cache
 from compilers.rtl import fp16, report, synth
 from compilers.rtl.fp16 import FP16LayerNorm
 from compilers.rtl.fparith import FP16, FP32, FloatAdd, FloatConvert, FloatMul
+from compilers.rtl.norm import norm_graph, rs_bits
+from compilers.rtl.stream import fmt_shape
 from compilers.rtl.synth import FAMILIES, SynthError, synthesize
+from compilers.rtl.values import Ctx
 from qnorm.cli import main
+from qnorm.verify.cases import case_named
 
 UINT = {np.float16: np.uint16, np.float32: np.uint32}
 
@@ -337,3 +341,33 @@ def test_quick_report_units_are_rows_of_64_only() -> None:
     quick = [name for name, _, length in specs if not length]
     assert all(case_named(name).config.get("n", 64) == 64 for name in quick)
     assert {name for name, _, length in specs if length} <= set(quick)  # the 768 rows of the same configs
+
+
+def norm_element_path(case: str, banks: int = 2) -> tuple[Module, list[Signal]]:
+    """A norm unit's per-element logic alone, pipelined as in the unit: the statistic
+    pass's terms and the output chain, with the element, its channel and bank and the
+    banks' per-row registers as input ports (the row engine left out)."""
+    op = case_named(case).build()
+    graph, y = norm_graph(op)
+    m = Module()
+    x = Signal(fmt_shape(op.in_fmt), name="x")
+    channel, bank = Signal(range(op.config.n), name="channel"), Signal(range(banks), name="bank")
+    widths = {rs.slot: rs.width(64) for rs in graph.sums}
+    widths.update({slot: rs_bits(v) for slot, v in graph.latched.items()})
+    rows = {slot: [Signal(signed(w), name=f"row{slot}_b{b}") for b in range(banks)] for slot, w in widths.items()}
+    outs = []
+    for root in [y, *(rs.term for rs in graph.sums)]:
+        value = root.value(Ctx(m, x, channel, bank, rows, pipelined=True))
+        out = Signal(value.shape(), name=f"out{len(outs)}")
+        m.d.comb += out.eq(value)
+        outs.append(out)
+    return m, [x, channel, bank, *(reg for regs in rows.values() for reg in regs), *outs]
+
+
+@pytest.mark.parametrize(("case", "has_dsp"), [("shift_layernorm.int8.n64.m2", False), ("int_layernorm.int8.n64", True)])
+def test_shift_layernorm_takes_no_dsp_per_element(case: str, has_dsp: bool) -> None:
+    """ShiftLayerNorm's γ is a shift, so its element path's products (x², x·a) are
+    shifted adds in LUTs: no DSP block after synthesis; IntLayerNorm's keeps its DSPs."""
+    module, ports = norm_element_path(case)
+    dsp = synthesize(module, f"{case}.elements", "xc7", ports=ports).resources.dsp
+    assert (dsp > 0) == has_dsp, f"{case}: {dsp} DSP blocks in the element path"

@@ -25,8 +25,10 @@ the stages walk in order, each bank handed from stage to stage:
   the isqrt is one compare-subtract per clock on one set of registers
   (:func:`~compilers.rtl.values.divide_serial`,
   :func:`~compilers.rtl.values.isqrt_serial`; an isqrt of a quotient digests
-  its bits as the divider produces them); at clock D the results are latched
-  into the bank and the engine takes the next row on the same clock;
+  its bits as the divider produces them); the engine copies the row's sums out
+  of the bank when it takes the row (its first clock reads registers, not the
+  bank mux); at clock D (a ``done`` register set on clock D − 1) the results
+  are latched into the bank and the engine takes the next row on the same clock;
 * out — reads the buffer (READ_LATENCY clocks: the memory's read register and
   one more), one element per clock, through the element chain (``x·a − c``,
   the rounding shift, the output window, gain, bias, rounding, saturation)
@@ -34,14 +36,18 @@ the stages walk in order, each bank handed from stage to stage:
 
 Every pipeline and schedule also registers where an estimated path would
 outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
-product wider than a DSP port into registered limb products.
+product wider than a DSP port into registered limb products.  ShiftLayerNorm's
+γ is a shift, so its element path's only products (x·a, and the statistic's
+x²) are built in logic (:func:`~compilers.rtl.values.lut_product`): it takes no
+DSP block per element, only in its row engine.
 
 The engine's hardware is one row's worth, not D levels of it: a row arrives
 only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
 N), MAX_ENGINES)`` engines take the rows in turn, and N >= (D + 1) / E streams
 at **one element per clock**.  Int8 rows of 64: D = 61 IntLayerNorm (its
 division and the square root of the quotient: 33 clocks), 54 RMSNorm, 43 L1,
-29 ShiftLayerNorm, so one engine each; L = 12-13.  With S = Σ S_p,
+30 ShiftLayerNorm, so one engine each; L = 13 RMSNorm, 14 IntLayerNorm and L1,
+16 ShiftLayerNorm (its x·a tree: two more levels).  With S = Σ S_p,
 ``B = P + 1 + min(ceil((S + D + 2) / N), EXTRA_BANKS)`` banks: a bank is held
 from its row's first input until its last element is read out,
 P·N + S + D + N + 2 cycles, so with B banks a new row starts every N cycles
@@ -69,9 +75,20 @@ from amaranth.hdl import (
 from amaranth.lib.memory import Memory
 
 from compilers.rtl.stream import StreamUnit, fmt_shape
-from compilers.rtl.values import CARRY, DEPTH_BUDGET, Ctx, Graph, Hdl, ProvenTrace, RowSum, signed_value
+from compilers.rtl.values import (
+    CARRY,
+    DEPTH_BUDGET,
+    Ctx,
+    Graph,
+    Hdl,
+    ProvenTrace,
+    RowSum,
+    element_products,
+    signed_value,
+)
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
+from qnorm.ops.shiftnorm import ShiftLayerNorm
 
 EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
 READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
@@ -98,6 +115,11 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
     a_l, k_l = latched[0], latched[-1]
     c_l = latched[1] if isinstance(c, Hdl) else c
     y = op._output(normalize(x, a_l, c_l, k_l, cfg, trace), trace)
+    if isinstance(op, ShiftLayerNorm):
+        # its gains are shifts, so x·a (and the statistic's x²) are the element
+        # path's only multipliers: in logic, a ShiftLayerNorm takes no DSP per element
+        for product in element_products([y, *(rs.term for rs in graph.sums)]):
+            product.in_luts()
     if list(trace) != list(rep.items):
         raise NotImplementedError(
             f"{cls.__name__}'s stages {list(rep.items)} differ from the unit's {list(trace)}: "
@@ -156,7 +178,7 @@ class NormUnit(StreamUnit):
         widths.update({slot: rs_bits(v) for slot, v in self.graph.latched.items()})
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, zero, rows, sequential=True, step=Signal(16), busy=Signal())
+        row = Ctx(m, Signal(8), zero, None, rows, sequential=True, step=Signal(16), busy=Signal())
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
         passes = []
         for p in range(self.passes):
@@ -270,11 +292,17 @@ class NormUnit(StreamUnit):
             busy = Signal(name=f"engine{e}_busy")
             step = Signal(range(self.row_depth + 1), name=f"engine{e}_step")
             bank = Signal(range(banks), name=f"engine{e}_bank")
-            ctx = Ctx(m, self.in_data, chan[0], bank, rows, sequential=True, step=step, busy=busy)
+            # the row's sums, copied from its bank when the row is issued: the
+            # schedule's first clock reads registers, not the bank mux
+            own = {rs.slot: [Signal.like(rows[rs.slot][0], name=f"engine{e}_sum{rs.slot}")] for rs in graph.sums}
+            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True, step=step, busy=busy)
             results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
             if max(level for _, level in results.values()) != self.row_depth:
                 raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
-            done = busy & (step == self.row_depth)
+            # high on the schedule's last clock D: a register set on clock D - 1, so the
+            # bank hand-off and the next issue do not wait for the step compare
+            done = Signal(name=f"engine{e}_done")
+            m.d.sync += done.eq(busy & (step == self.row_depth - 1))
             # the engine's next row starts on the clock this one ends
             issue = active[p_count] & (turn == e) & (~busy | done)
             with m.If(busy):
@@ -285,6 +313,7 @@ class NormUnit(StreamUnit):
                 m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
             with m.If(issue):
                 m.d.sync += [busy.eq(1), step.eq(0), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
+                m.d.sync += [own[slot][0].eq(Array(rows[slot])[ptr[p_count]]) for slot in own]
                 hand_on(p_count, row_busy)
 
         # ---- output pass: a pipeline of L levels, all stalled while the output waits

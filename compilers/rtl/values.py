@@ -39,7 +39,9 @@ Timing.  In a pipeline or a schedule each operation has an estimated logic
 depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
 would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
 its readers; a product whose wider operand exceeds a DSP port (:data:`DSP_BITS`,
-the other fitting) becomes registered limb products added a level later.
+the other fitting) becomes registered limb products added a level later, and a
+product moved into logic (:meth:`Hdl.in_luts`) a tree of shifted adds with a
+register after each level (:func:`lut_product`).
 Widths: besides the recorded values, every value whose operands have bounds
 (constants, recorded values, tables, and ``+ - *``, shifts, selects, divisions
 and roots of bounded values) gets a wire of its bound's width, where Amaranth's
@@ -86,7 +88,7 @@ SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
 # chain and a few LUTs per clock).
 LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
 DSP_BITS, DSP_LIMB = 18, 17  # a DSP block's signed multiplier port, and the unsigned limb of a wider operand
-DEPTH_BUDGET = 6
+DEPTH_BUDGET = 5
 
 
 def signed_value(v: Value) -> Value:
@@ -111,7 +113,8 @@ def sized(v: Value, iv: Interval, name: str, m: Module) -> Value:
 class Ctx:
     """Where a stage evaluates expressions: its module, the element ``x`` it is at,
     that element's ``channel`` (index in the row or channel vector), its row
-    ``bank``, and the per-row values it reads (``rows[slot]``: one register per bank)."""
+    ``bank``, and the per-row values it reads (``rows[slot]``: one register per bank;
+    with ``bank`` None, the one register of the stage's own row)."""
 
     m: Module
     x: Value
@@ -196,6 +199,13 @@ class Ctx:
         return v
 
 
+def bank_read(ctx: Ctx, slot: int) -> Value:
+    """A per-row value of the stage's row: its bank's register, or (``ctx.bank`` None)
+    the one register a stage that copied its row's values holds."""
+    regs = ctx.rows[slot]
+    return regs[0] if ctx.bank is None else Array(regs)[ctx.bank]
+
+
 @dataclass(eq=False)
 class RowSum:
     """An accumulator: ``term`` summed over the row in pass ``term.pass_``."""
@@ -240,7 +250,7 @@ class Graph:
         """A per-row value computed once (the row stage) and read back from the row's bank."""
         slot = self.new_slot()
         self.latched[slot] = v
-        read = Hdl(self, lambda ctx: Array(ctx.rows[slot])[ctx.bank], (), v.pass_, True, v.iv)
+        read = Hdl(self, lambda ctx: bank_read(ctx, slot), (), v.pass_, True, v.iv)
         read.banked = True
         return read
 
@@ -287,8 +297,11 @@ class Hdl:
                          for d, t, (_, lv) in zip(self.deps, late, parts, strict=True)), default=0)
             rom_register = False  # the tables read a level earlier, through a register
             if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
-                parts = [ctx.cut(d, v, lv) if ctx.depth_of(d, lv, level) and not t else (v, lv)
-                         for d, t, (v, lv) in zip(self.deps, late, parts, strict=True)]
+                cuts: dict[int, tuple[Value, int]] = {}  # one register for an operand read twice (S·S)
+                for d, t, (v, lv) in zip(self.deps, late, parts, strict=True):
+                    if id(d) not in cuts and ctx.depth_of(d, lv, level) and not t:
+                        cuts[id(d)] = ctx.cut(d, v, lv)
+                parts = [cuts.get(id(d), part) for d, part in zip(self.deps, parts, strict=True)]
                 rom_register = any(late)
                 level = max((lv for _, lv in parts), default=0) + (rom_register and level == 0)
                 depth = max((ctx.depth_of(d, lv, level) for d, t, (_, lv) in zip(self.deps, late, parts, strict=True) if not t),
@@ -303,7 +316,8 @@ class Hdl:
                 bits = bits_for(self.known.lo, self.known.hi)
                 if bits < len(v):  # narrower than Amaranth's widening
                     v = sized(v, self.known, self.name or "t", ctx.m)
-            ctx.depths[id(self)] = depth + self.cost + (LOGIC if self.banked else 0)  # (a bank read: a mux)
+            bank_mux = self.banked and ctx.bank is not None
+            ctx.depths[id(self)] = depth + self.cost + (LOGIC if bank_mux else 0)
             # a shared leaf (the element itself) is a port or a register already
             shared = self.uses > 1 and ctx.depths[id(self)] > 0
             keep = not isinstance(v, Const) and (self.iv is not None or shared or self.product)
@@ -402,6 +416,13 @@ class Hdl:
 
     def __rmul__(self, o: Any) -> Hdl:
         return self._lift(o) * self
+
+    def in_luts(self) -> None:
+        """Build this product as shifted adds in logic (:func:`lut_product`), not a DSP block."""
+        if not self.product:
+            raise TypeError("only a multiplier (not a shift by a power of two) can move into LUTs")
+        self.fn = lut_product
+        self.cost = LOGIC + CARRY  # its first level: a partial product's AND and one add
 
     def __floordiv__(self, o: Any) -> Hdl:
         return self._divide(o, quotient=True)
@@ -524,8 +545,10 @@ class Hdl:
     __hash__ = object.__hash__
 
     def _compare_cost(self, o: Any) -> int:
-        """An order compare: a carry chain, or against a constant a few LUT levels."""
-        return 2 * LOGIC if self._lift(o).constant is not None else CARRY
+        """An order compare: a carry chain, against a constant too (ECP5 synthesis maps
+        one against a power of two to the carry logic as well); against 0 a few LUT
+        levels (the sign bit and an OR of the others)."""
+        return 2 * LOGIC if self._lift(o).constant == 0 else CARRY
 
     def __bool__(self) -> bool:
         raise TypeError("an HDL value has no truth value while the hardware is built; use fixedpoint.select")
@@ -540,7 +563,7 @@ class Hdl:
         self.uses += 1
         acc = RowSum(graph.new_slot(), self)
         graph.sums.append(acc)
-        acc.result = Hdl(graph, lambda ctx: Array(ctx.rows[acc.slot])[ctx.bank], (), self.pass_ + 1, True)
+        acc.result = Hdl(graph, lambda ctx: bank_read(ctx, acc.slot), (), self.pass_ + 1, True)
         acc.result.banked = True
         return acc.result
 
@@ -636,7 +659,8 @@ def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
     a, b = signed_value(va), signed_value(vb)
     if len(a) > len(b):
         a, b = b, a
-    if not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
+    constant = isinstance(va, Const) or isinstance(vb, Const)  # shifts and adds: no DSP port to fit
+    if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
         return a * b
     low = Cat(b[:DSP_LIMB], Const(0, 1)).as_signed()  # unsigned low limb
     high = b[DSP_LIMB:].as_signed()  # the signed rest: b = high·2^limb + low
@@ -645,6 +669,53 @@ def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
     else:
         p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
     return (p_high << DSP_LIMB) + p_low, 1
+
+
+def element_products(roots: list[Hdl]) -> list[Hdl]:
+    """The multipliers of per-element values reachable from ``roots`` (a row's
+    per-row chain is left out: it reads the row sums, not the graph behind them)."""
+    seen: set[int] = set()
+    found: list[Hdl] = []
+    stack = list(roots)
+    while stack:
+        h = stack.pop()
+        if id(h) in seen or h.per_row:
+            continue
+        seen.add(id(h))
+        if h.product:
+            found.append(h)
+        stack.extend(h.deps)
+    return found
+
+
+def lut_product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
+    """``a · b`` as shift-and-add over the narrower operand's bits, in logic: one
+    partial product ``b << i`` per bit of a (the sign bit's subtracted: two's
+    complement weighs it −2^(w−1)), summed pairwise in a tree.  In a pipeline each
+    level of the tree but the last is a register, so a clock holds one AND and
+    one add: (the product, the tree's registered levels)."""
+    a, b = signed_value(va), signed_value(vb)
+    if len(a) > len(b):
+        a, b = b, a
+    top = len(a) - 1
+    # (value, subtracted): every partial product is added but the sign bit's
+    terms: list[tuple[Value, bool]] = [(Mux(a[i], b << i, 0), i == top) for i in range(len(a))]
+    levels = 0
+    while len(terms) > 1:
+        paired = []
+        even = len(terms) - len(terms) % 2  # an odd count's last term moves up on its own, below
+        for (p, p_neg), (q, q_neg) in zip(terms[0:even:2], terms[1::2], strict=True):
+            # at most one of a pair is subtracted (only the sign bit's term ever is)
+            paired.append((q - p, False) if p_neg else (p - q if q_neg else p + q, False))
+        if len(terms) % 2:
+            paired.append(terms[-1])
+        terms = paired
+        if len(terms) > 1 and ctx.pipelined:
+            terms = [(ctx.register(v, "pp"), neg) for v, neg in terms]
+            levels += 1
+    value, negated = terms[0]
+    product = -value if negated else value
+    return (product, levels) if levels else product
 
 
 def shifted_left(v: Interval, s: Interval) -> Interval:
