@@ -555,7 +555,7 @@ def test_ceil_log2_equals_the_rational_one():
     v = np.abs(log2_boundaries(np.random.default_rng(9), 3000))
     v = v[v > 0].tolist() + [5e-324, 2.0**-1022, math.nextafter(2.0**-1022, 0.0), 1.7976931348623157e308]
     assert [core.ceil_log2(x) for x in v] == [ref_ceil_log2(x) for x in v]
-    with pytest.raises((OverflowError, ValueError)):  # a non-finite gain is refused, as before
+    with pytest.raises(ValueError, match="must be finite"):  # a non-finite gain is refused
         core.ceil_log2(math.inf)
 
 

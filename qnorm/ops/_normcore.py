@@ -178,17 +178,11 @@ def floor_root(q: Fraction, p: int) -> int:
 
 
 def ceil_log2(v: float) -> int:
-    """Smallest k with 2^k >= v, for v > 0, from the float's exact value."""
-    if math.isfinite(v):  # v = f 2^k, f in [1/2, 1): 2^(k-1) <= v < 2^k, the lower end only at f = 1/2
-        f, k = math.frexp(v)
-        return k - 1 if f == 0.5 else k
-    q = Fraction(v)
-    k = q.numerator.bit_length() - q.denominator.bit_length()
-    while Fraction(2) ** k < q:
-        k += 1
-    while Fraction(2) ** (k - 1) >= q:
-        k -= 1
-    return k
+    """Smallest k with 2^k >= v, for a finite v > 0, from the float's exact value."""
+    if not math.isfinite(v):
+        raise ValueError(f"ceil_log2 of {v}: a gain must be finite")
+    f, k = math.frexp(v)  # v = f 2^k, f in [1/2, 1): 2^(k-1) <= v < 2^k, the lower end only at f = 1/2
+    return k - 1 if f == 0.5 else k
 
 
 # --------------------------------------------------------------------------- config
