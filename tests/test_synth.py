@@ -277,6 +277,22 @@ def _report_unit(op: str, n: int) -> report.ReportUnit:
     return report.ReportUnit(op, f"int8.n{n}", SquareSum(), cycles_per_row=n + 4, elements_per_cycle=1.0)
 
 
+def test_the_report_synthesizes_in_parallel_and_keeps_the_order(fresh_cache) -> None:
+    """Runs go one per CPU; results and progress lines come in (unit, family) order, and
+    two units of one design racing for one cache entry get the same result."""
+    units = [_report_unit(report.L1, 64), _report_unit(report.L2, 64)]
+    lines: list[str] = []
+    results = report.synthesize_all(units, ("xc7", "ecp5"), lines.append)
+    assert [(u.name, r.family) for u, r in results] == [
+        (units[0].name, "xc7"), (units[0].name, "ecp5"), (units[1].name, "xc7"), (units[1].name, "ecp5"),
+    ]
+    assert [r.unit for _, r in results] == [units[0].name] * 2 + [units[1].name] * 2
+    assert [line.split(":")[0] for line in lines] == [f"{u.name} on {r.family}" for u, r in results]
+    for family in (0, 1):  # the same design: one key, one result
+        assert results[family][1].key == results[2 + family][1].key
+        assert results[family][1].resources == results[2 + family][1].resources
+
+
 def test_the_report_gives_each_result_and_the_p5_ratios() -> None:
     l1, l2, fp = (_report_unit(op, 64) for op in (report.L1, report.L2, report.FP16_OP))
     results = [
