@@ -77,8 +77,8 @@ def ref_shift_product_bound(op_cls, cfg, stat, segs, by_exp):
     h = cfg.num_shift
     for e, u_iv in by_exp.items():
         ratio, u_cap = ref_ratio_on(stat, segs[e]) * (1 << (2 * h)), max(-u_iv.lo, u_iv.hi)
-        for cand, seg in op_cls._segments(cfg, ref_mantissa_range(e, segs[e], cfg)):
-            u = min(u_cap, core.floor_root(ratio * (seg.hi + (e > 0)), 2) + (e > h))
+        for cand, _, hi in op_cls._segments(cfg, ref_mantissa_range(e, segs[e], cfg)):
+            u = min(u_cap, core.floor_root(ratio * (hi + (e > 0)), 2) + (e > h))
             prod = max(prod, u * cand.value)
     return prod
 

@@ -88,7 +88,6 @@ from compilers.rtl.values import (
 )
 from qnorm.fixedpoint import bits_for
 from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_exponent
-from qnorm.ops.shiftnorm import ShiftLayerNorm
 
 EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
 READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
@@ -115,9 +114,9 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
     a_l, k_l = latched[0], latched[-1]
     c_l = latched[1] if isinstance(c, Hdl) else c
     y = op._output(normalize(x, a_l, c_l, k_l, cfg, trace), trace)
-    if isinstance(op, ShiftLayerNorm):
-        # its gains are shifts, so x·a (and the statistic's x²) are the element
-        # path's only multipliers: in logic, a ShiftLayerNorm takes no DSP per element
+    if "scaled" not in op.multiplications:
+        # the op's gain is no multiplier (ShiftLayerNorm's are shifts), so x·a and the
+        # statistic's x² are the element path's only ones: in logic, no DSP per element
         for product in element_products([y, *(rs.term for rs in graph.sums)]):
             product.in_luts()
     if list(trace) != list(rep.items):

@@ -244,19 +244,20 @@ class ShiftLayerNorm(NormOp):
 
     @classmethod
     def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
-        vals = [c.value for c, _ in cls._segments(cfg, m_iv)]
+        vals = [c.value for c, _, _ in cls._segments(cfg, m_iv)]
         return Interval(min(vals), max(vals))
 
     @classmethod
-    def _segments(cls, cfg: NormConfig, m_iv: Interval) -> list[tuple[Pow2Mantissa, Interval]]:
-        """Each candidate with the part of M's range on which it is chosen."""
+    def _segments(cls, cfg: NormConfig, m_iv: Interval) -> list[tuple[Pow2Mantissa, int, int]]:
+        """Each candidate with the part [lo, hi] of M's range on which it is chosen
+        (plain integers: the range analysis asks this per exponent, every derivation)."""
         _, cands = mantissa_table(cfg.mantissa_terms)
         cuts = (m_iv.lo, *mantissa_thresholds(cfg.mantissa_terms, cfg.mant_bits), m_iv.hi + 1)
         out = []
         for i, cand in enumerate(cands):
             lo, hi = max(cuts[i], m_iv.lo), min(cuts[i + 1] - 1, m_iv.hi)
             if lo <= hi:
-                out.append((cand, Interval(lo, hi)))
+                out.append((cand, lo, hi))
         return out
 
     @classmethod
@@ -275,20 +276,11 @@ class ShiftLayerNorm(NormOp):
         ratio_e = n / d."""
         prod = 0
         h = cfg.num_shift
-        _, cands = mantissa_table(cfg.mantissa_terms)
-        thresholds = mantissa_thresholds(cfg.mantissa_terms, cfg.mant_bits)
-        last = len(cands) - 1
         for e, u_iv in by_exp.items():
             (rn, rd), u_cap = stat.ratio_terms(segs[e]), max(-u_iv.lo, u_iv.hi)
-            m = mantissa_range(e, segs[e], cfg)
-            # The candidates' parts of M's range as in :meth:`_segments` (its upper ends
-            # only: u grows with M), without building an Interval per candidate.
-            for i, cand in enumerate(cands):
-                lo = m.lo if i == 0 else max(thresholds[i - 1], m.lo)
-                hi = m.hi if i == last else min(thresholds[i] - 1, m.hi)
-                if lo <= hi:
-                    u = min(u_cap, math.isqrt((rn * (hi + (e > 0)) << (2 * h)) // rd) + (e > h))
-                    prod = max(prod, u * cand.value)
+            for cand, _, hi in cls._segments(cfg, mantissa_range(e, segs[e], cfg)):  # u grows with M
+                u = min(u_cap, math.isqrt((rn * (hi + (e > 0)) << (2 * h)) // rd) + (e > h))
+                prod = max(prod, u * cand.value)
         return prod
 
     def float_reference(self, x: np.ndarray) -> np.ndarray:
