@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm import tirx
 
 from compilers import cache
-from compilers.tvm import x86_sad
+from compilers.tvm import x86_rowsums
 from qnorm.targets import Target
 
 _KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
@@ -100,7 +100,7 @@ def build(mod: tirx.PrimFunc | tvm.IRModule, target: Target, *, allow_float: boo
             f"target {target.name!r} has TVM kind {target.tvm['kind']!r}; build() links llvm or c"
         )
     # target-specific instructions first: the cache key is of the text that is compiled
-    mod = x86_sad.rewrite(_as_module(mod), target)
+    mod = x86_rowsums.rewrite(_as_module(mod), target)
     if not allow_float:
         bad = non_integer_dtypes(mod)
         if bad:

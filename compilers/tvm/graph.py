@@ -74,7 +74,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers import cache
 from compilers.cache import sha256_file
-from compilers.tvm import c_api, cuda_model, opencl_model, x86_sad
+from compilers.tvm import c_api, cuda_model, opencl_model, x86_rowsums
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.gpu import GPU
 from compilers.tvm.kernels import Kernel, kernel_for
@@ -317,7 +317,7 @@ def compile_model(
     report = prove_exact(program)
     mod = to_relax(program, GPU if kind in (opencl_model.ARTIFACT, cuda_model.ARTIFACT) else CPU)
     # target-specific instructions before the key: the key is of the text that is compiled
-    mod = x86_sad.rewrite(mod, target)
+    mod = x86_rowsums.rewrite(mod, target)
     key = relax_key(mod, target)
     metadata = _metadata(program, report, target, key)
     if kind == c_api.ARTIFACT:

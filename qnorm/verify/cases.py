@@ -304,7 +304,7 @@ def _catalogue() -> tuple[Case, ...]:
         _norm(ln, "int4", 4),  # 16^4 rows: exhaustive
         _norm(ln, "int16", 48),
         _norm(l1, "int8", 64),
-        _norm(l1, "int8", 768),  # rows long enough for the x86 kernels' vpsadbw sums (compilers.tvm.x86_sad)
+        _norm(l1, "int8", 768),  # rows long enough for the x86 kernels' vpsadbw sums (compilers.tvm.x86_rowsums)
         _norm(l1, "int8", 1),
         _norm(l1, "int4", 7, "trunc"),
         _norm(sh, "int8", 64, mantissa_terms=1),

@@ -1,42 +1,52 @@
-"""L1LayerNorm's row sums as ``vpsadbw`` on x86: a target-specific rewrite of scheduled TIR.
+"""The norms' row sums in the x86 instructions LLVM does not pick: a target-specific rewrite of scheduled TIR.
 
-Why.  L1LayerNorm's statistic needs a second pass over the row after S = Σx:
-Σ_k |N·x_k − S|.  From TE, LLVM makes that pass 20 instructions per 32 int8
-inputs (widen, multiply by N, subtract, absolute value, add), which is why L1 ran
-slower than the integer L2 norm at N = 768 and 4096.  x86 has an instruction for
-sums of absolute byte differences, ``vpsadbw`` (AVX2: 32 bytes, AVX-512BW: 64), and
-the statistic can be written with it exactly.  With t = ⌊S/N⌋ and D = S − N·t
-(0 ≤ D < N), for every integer x, with m = x − t:
+Why.  The statistics pass sums each int8 row once or twice before the element pass
+can start; from TE, LLVM widens every byte to int32 and multiplies in int32 lanes
+(``vpmovsxbd``, ``vpmulld``, ``vpaddd``: 20 instructions per 32 inputs for IntLayerNorm's
+Σx and Σx², 20 more for L1's Σ|N·x − S|).  x86 has an instruction for each of these
+sums, and each gives the same integers:
 
-    |N·x − S| = |N·m − D| = (N − D)·|m| + D·|m − 1|
+* **Σx²** (IntLayerNorm, ShiftLayerNorm, IntRMSNorm): ``vpmaddwd`` multiplies 16-bit
+  lanes and adds adjacent pairs into int32 — x² + x'² per lane, at most 2^15 for int8.
+  Per 32 inputs: two ``vpmovsxbw``, two ``vpmaddwd`` and two ``vpaddd`` into int32
+  accumulators.  Only where the op keeps the sum in int32 (its range analysis proved
+  the row's total fits): every lane's partial sum of non-negative terms is at most the
+  total, so no lane can wrap.
+* **Σx** (all four norms): Σx = Σ|x + 128| − 128·N, one ``vpsadbw`` (sum of absolute
+  byte differences into 64-bit lanes) per chunk of x ^ 0x80 against 0.
+* **Σ|N·x − S|** (L1LayerNorm's second pass): with t = ⌊S/N⌋ and D = S − N·t
+  (0 ≤ D < N), for every integer x, with m = x − t,
 
-(m ≥ 1: both sides are N·m − D; m ≤ 0: both are D − N·m).  So
+      |N·x − S| = |N·m − D| = (N − D)·|m| + D·|m − 1|
 
-    Σ|N·x − S| = (N − D)·Σ|x − t| + D·Σ|x − t − 1|,
+  (m ≥ 1: both sides are N·m − D; m ≤ 0: both are D − N·m).  So
 
-and Σ|x − τ| over int8 x, for τ in [−128, 127], is ``vpsadbw`` of x ^ 0x80 against
-the byte τ + 128 (both shifted into unsigned bytes by the same 128).  A τ outside
-the int8 range (t + 1 = 128, or any t of a sum S that is not Σx) is clamped to τc,
-and |τ − τc| added per element: every x then lies on one side of τ, so
-|x − τ| = |x − τc| + |τ − τc|.  The first pass, S = Σx, is the same instruction
-against τ = −128: Σx = Σ|x + 128| − 128·N, one ``vpsadbw`` per chunk where LLVM
-widens and adds (8 instructions per 32 bytes).  The row's tail of N mod (chunk
+      Σ|N·x − S| = (N − D)·Σ|x − t| + D·Σ|x − t − 1|,
+
+  and Σ|x − τ| over int8 x, for τ in [−128, 127], is ``vpsadbw`` of x ^ 0x80 against
+  the byte τ + 128 (both shifted into unsigned bytes by the same 128).  A τ outside
+  the int8 range (t + 1 = 128, or any t of a sum S that is not Σx) is clamped to τc,
+  and |τ − τc| added per element: every x then lies on one side of τ, so
+  |x − τ| = |x − τc| + |τ − τc|.
+
+A chunk is 32 bytes with AVX2 and 64 with AVX-512BW; the row's tail of N mod (chunk
 bytes) elements is summed as written.
 
-LLVM does not form ``vpsadbw`` from the TE reductions, and TVM 0.27's ``tensorize``
-crashes on them, so each reduction's loop is replaced after scheduling by a block
-that calls the LLVM intrinsic.  The target is only known where the module is
-built, so :func:`rewrite` runs there (:func:`compilers.tvm.build.build` and the
+LLVM does not form these instructions from the TE reductions, and TVM 0.27's
+``tensorize`` crashes on them, so each reduction's loop is replaced after scheduling
+by a block that calls the LLVM intrinsics.  The target is only known where the module
+is built, so :func:`rewrite` runs there (:func:`compilers.tvm.build.build` and the
 whole-model compile in :mod:`compilers.tvm.graph`), before the build-cache key is
-taken, so the key is of the rewritten text.  It matches two shapes strictly: a
-reduction block over k in [0, N) (N the reduction's extent, x an int8 (rows, N)
-buffer) accumulating ``int(x[r, k])``, or ``|int(x[r, k])·N − S[r]|`` with the
-absolute value as TIR writes it (a Select).  Anything else, and every target
-without AVX2 (aarch64, riscv64, GPUs, C), is left as it is.  IntLayerNorm and
-ShiftLayerNorm sum x with x² in one loop, which does not match: only L1's sums move.
+taken, so the key is of the rewritten text.  It matches strictly: a serial loop over
+k in [0, N) whose body is one reduction block, or a sequence of them (IntLayerNorm
+sums x² and x in one loop), each over k (N the reduction's extent, x an int8
+(rows, M ≥ N) buffer: a partial RMS norm sums the first N columns) accumulating
+``int(x[r, k])``, ``int(x[r, k])·int(x[r, k])`` or ``|int(x[r, k])·N − S[r]|`` with the
+absolute value as TIR writes it (a Select); every block of the loop must match.  Anything else, and every target without AVX2
+(aarch64, riscv64, GPUs, C), is left as it is.
 
-Measured (AMD EPYC Zen 3, AVX2, 1 thread, whole int8 L1LayerNorm kernels
-interleaved with IntLayerNorm's on a shared machine): see :data:`MIN_ROW`.
+Measured (AMD EPYC Zen 3, AVX2, 1 thread, whole int8 kernels interleaved with their
+TE form on a shared machine): see :data:`MIN_ROW`.
 """
 
 from __future__ import annotations
@@ -55,10 +65,11 @@ from qnorm.targets import Target
 
 _REDUCE = 2  # IterVar.iter_type of a reduction axis
 _LANE_BITS = 64  # vpsadbw sums each 8 bytes into one 64-bit lane
-# (chunk bytes, the LLVM intrinsic), widest first; a target uses the first it has
-_FORMS: tuple[tuple[str, int, str], ...] = (
-    ("avx512bw", 64, "llvm.x86.avx512.psad.bw.512"),
-    ("avx2", 32, "llvm.x86.avx2.psad.bw"),
+# (CPU feature, chunk bytes, the vpsadbw and vpmaddwd intrinsics), widest first; a
+# target uses the first it has
+_FORMS: tuple[tuple[str, int, str, str], ...] = (
+    ("avx512bw", 64, "llvm.x86.avx512.psad.bw.512", "llvm.x86.avx512.pmaddw.d.512"),
+    ("avx2", 32, "llvm.x86.avx2.psad.bw", "llvm.x86.avx2.pmadd.wd"),
 )
 # Rows shorter than this keep the TE reductions.  Whole kernels, rewritten against TE
 # (interleaved runs): 1.13-1.19x at N = 768, 1.24x at 4096, 1.11x at 256,
@@ -70,34 +81,42 @@ MIN_ROW = 128
 
 
 @dataclass(frozen=True)
-class SadForm:
-    """How one target sums absolute byte differences: ``chunk`` bytes per call."""
+class SumForm:
+    """How one target sums a row: ``chunk`` bytes per ``vpsadbw`` call (``intrinsic``)
+    and per two ``vpmaddwd`` calls (``madd``, each on half the chunk widened to int16)."""
 
     chunk: int
     intrinsic: str
+    madd: str
 
     @property
     def lanes(self) -> int:
+        """The 64-bit lanes of one ``vpsadbw``."""
         return self.chunk * 8 // _LANE_BITS
 
+    @property
+    def madd_lanes(self) -> int:
+        """The int32 lanes of one ``vpmaddwd`` (on chunk / 2 int16 values)."""
+        return self.chunk // 4
 
-def sad_form(target: Target) -> SadForm | None:
-    """The ``vpsadbw`` form ``target`` has, or None (not an llvm x86 target with AVX2)."""
+
+def sum_form(target: Target) -> SumForm | None:
+    """The row-sum instructions ``target`` has, or None (not an llvm x86 target with AVX2)."""
     spec = target.tvm_spec()
     if spec.get("kind") != "llvm":
         return None
     tvm_target = tvm.target.Target(spec)
-    for feature, chunk, intrinsic in _FORMS:
+    for feature, chunk, intrinsic, madd in _FORMS:
         if codegen.target_has_features(feature, tvm_target):
-            return SadForm(chunk, intrinsic)
+            return SumForm(chunk, intrinsic, madd)
     return None
 
 
 def rewrite(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """``mod`` with every matched row sum (module docstring) of every PrimFunc in
-    ``vpsadbw`` form for ``target``; ``mod`` itself (unchanged, the same object)
-    where nothing matches or the target has no such form."""
-    form = sad_form(target)
+    ``vpsadbw`` / ``vpmaddwd`` form for ``target``; ``mod`` itself (unchanged, the same
+    object) where nothing matches or the target has no such form."""
+    form = sum_form(target)
     if form is None:
         return mod
     changed = {}
@@ -114,16 +133,17 @@ def rewrite(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     return out
 
 
-def rewrite_func(func: tirx.PrimFunc, form: SadForm) -> tirx.PrimFunc:
+def rewrite_func(func: tirx.PrimFunc, form: SumForm) -> tirx.PrimFunc:
     """``func`` with its matched reduction loops replaced (``func`` when none match)."""
     hits = []
 
     def mutate(node: Any, mutator: tvm_ffi.StructuralMutator) -> Any:
         if isinstance(node, tirx.For):
             found = _match(node)
-            if found is not None and found.n >= max(MIN_ROW, form.chunk):
-                hits.append(found)
-                return _sad_realize(found, form)
+            if found and all(m.n >= max(MIN_ROW, form.chunk) and _supported(m) for m in found):
+                hits.extend(found)
+                blocks = [_sad_realize(m, form) for m in found]
+                return blocks[0] if len(blocks) == 1 else tirx.SeqStmt(blocks)
         return mutator.default_mutate(node)
 
     body = tvm_ffi.structural_mutate(func.body, mutate)
@@ -133,33 +153,51 @@ def rewrite_func(func: tirx.PrimFunc, form: SadForm) -> tirx.PrimFunc:
 # --------------------------------------------------------------------------- matching
 
 
+SUM, SQUARES, ABS = "sum", "squares", "abs"  # Σx, Σx², Σ|N·x − S|
+
+
 @dataclass(frozen=True)
 class _RowSum:
-    """A matched ``acc[r] (+)= Σ_k |int(x[r, k])·N − S|`` loop, or (``centre`` None)
-    ``acc[r] (+)= Σ_k x[r, k]``."""
+    """A matched ``acc[r] (+)= Σ_k term`` reduction block: ``kind`` says which term
+    (SUM ``x[r, k]``, SQUARES ``x[r, k]²``, ABS ``|int(x[r, k])·N − S|``)."""
 
     realize: Any  # the reduction block's SBlockRealize (its row binding and predicate)
     row: tirx.Var  # the block's row axis
     x: Any  # the int8 (rows, N) buffer
-    centre: Any  # S, in the block's terms (a load of v_r, maybe cast); None: a plain sum
+    centre: Any  # S, in the block's terms (a load of v_r, maybe cast); None unless ABS
     acc: Any  # the accumulator buffer
     n: int
     has_init: bool  # the block zeroes acc itself (else a decomposed init block did)
+    kind: str = SUM
 
 
-def _match(loop: tirx.For) -> _RowSum | None:
-    """The row reduction whose loop is ``loop``, if it is one of the two forms, or None.
+def _supported(m: _RowSum) -> bool:
+    """Whether the rewrite keeps ``m`` exact: squares only into an int32 accumulator (the
+    op proved the row's total fits it, which bounds every lane's partial sum)."""
+    return m.kind != SQUARES or str(m.acc.dtype) == "int32"
+
+
+def _match(loop: tirx.For) -> list[_RowSum] | None:
+    """The row reductions whose loop is ``loop`` — its body one reduction block or a
+    sequence of them, every one matching — or None."""
+    if not (loop.kind == tirx.ForKind.SERIAL and _is_int(loop.min, 0) and isinstance(loop.extent, tirx.IntImm)):
+        return None
+    body = loop.body
+    realizes = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    found = [_match_block(realize, loop) for realize in realizes]
+    return None if any(m is None for m in found) else found  # type: ignore[return-value]
+
+
+def _match_block(realize: Any, loop: tirx.For) -> _RowSum | None:
+    """The row reduction of one block of ``loop``, if it is one of the three forms.
 
     Every piece is checked: the loop runs k over [0, N) serially, binding the
     block's reduction axis directly; the block writes one accumulator element per
-    row; its update is ``acc[r] + int(x[r, k])`` (x int8) or ``acc[r] +
-    |int(x[r, k])·N − S|`` with the absolute value exactly as TIR lowers ``abs``
-    (``Select(0 <= e, e, S − int(x)·N)``).
+    row; its update is ``acc[r] + int(x[r, k])`` (x int8), ``acc[r] +
+    int(x[r, k])·int(x[r, k])``, or ``acc[r] + |int(x[r, k])·N − S|`` with the absolute
+    value exactly as TIR lowers ``abs`` (``Select(0 <= e, e, S − int(x)·N)``).
     """
-    realize = loop.body
-    if not (isinstance(realize, tvm.s_tir.SBlockRealize) and loop.kind == tirx.ForKind.SERIAL):
-        return None
-    if not (_is_int(loop.min, 0) and isinstance(loop.extent, tirx.IntImm)):
+    if not isinstance(realize, tvm.s_tir.SBlockRealize):
         return None
     n = int(loop.extent)
     block = realize.block
@@ -195,11 +233,21 @@ def _match(loop: tirx.For) -> _RowSum | None:
         term = term.value
     if _row_element(term, row, k, n):
         return _RowSum(realize, row, term.source, None, acc, n, has_init)
+    if _square_of_element(term, acc_dtype, row, k, n):
+        return _RowSum(realize, row, term.a.value.source, None, acc, n, has_init, SQUARES)
     parts = _abs_of_centered(term, row, k, n)
     if parts is None:
         return None
     x, centre = parts
-    return _RowSum(realize, row, x, centre, acc, n, has_init)
+    return _RowSum(realize, row, x, centre, acc, n, has_init, ABS)
+
+
+def _square_of_element(term: Any, dtype: str, row: tirx.Var, k: tirx.Var, n: int) -> bool:
+    """``term`` is ``int(x[row, k])·int(x[row, k])``, both factors widened to ``dtype``."""
+    if not (isinstance(term, tirx.Mul) and tvm_ffi.structural_equal(term.a, term.b)):
+        return False
+    widened = term.a
+    return isinstance(widened, tirx.Cast) and _dtype(widened) == dtype and _row_element(widened.value, row, k, n)
 
 
 def _abs_of_centered(term: Any, row: tirx.Var, k: tirx.Var, n: int) -> tuple[Any, Any] | None:
@@ -225,11 +273,13 @@ def _abs_of_centered(term: Any, row: tirx.Var, k: tirx.Var, n: int) -> tuple[Any
 
 
 def _row_element(expr: Any, row: tirx.Var, k: tirx.Var, n: int) -> bool:
-    """``expr`` is ``x[row, k]`` of an int8 (rows, n) buffer."""
+    """``expr`` is ``x[row, k]`` of an int8 (rows, M) buffer, M >= n (a partial RMS norm
+    sums the first n of its M columns)."""
     if not isinstance(expr, tvm.ir.expr.TensorLoad) or str(expr.source.dtype) != "int8":
         return False
     x = expr.source
-    return len(x.shape) == 2 and _is_int(x.shape[1], n) and _indexes(expr.indices, [row, k])
+    width = x.shape[1] if len(x.shape) == 2 else None
+    return isinstance(width, tirx.IntImm) and int(width) >= n and _indexes(expr.indices, [row, k])
 
 
 def _per_row(expr: Any, row: tirx.Var) -> bool:
@@ -266,7 +316,7 @@ def _is_int(expr: Any, value: int) -> bool:
 # --------------------------------------------------------------------------- the psadbw block
 
 
-def _sad_realize(m: _RowSum, form: SadForm) -> tvm.s_tir.SBlockRealize:
+def _sad_realize(m: _RowSum, form: SumForm) -> tvm.s_tir.SBlockRealize:
     """A block computing the matched accumulator element with ``form`` (module docstring).
 
     Its row axis, binding and predicate are the reduction block's; it reads the
@@ -291,12 +341,12 @@ def _sad_realize(m: _RowSum, form: SadForm) -> tvm.s_tir.SBlockRealize:
     return tvm.s_tir.SBlockRealize([m.realize.iter_values[0]], m.realize.predicate, block)
 
 
-def _sad_body(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+def _sad_body(m: _RowSum, form: SumForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
     """The statements of one row's sum at row ``r``, and the scratch buffers they use."""
-    return (_plain_sum if m.centre is None else _abs_sum)(m, form, r)
+    return {SUM: _plain_sum, SQUARES: _square_sum, ABS: _abs_sum}[m.kind](m, form, r)
 
 
-def _abs_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+def _abs_sum(m: _RowSum, form: SumForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
     """Σ|N·x − S|: t = ⌊S/N⌋, D = S − N·t, then (N − D)·Σ|x − t| + D·Σ|x − t − 1| + tail."""
     i64 = "int64"
     n = tirx.const(m.n, i64)
@@ -311,7 +361,7 @@ def _abs_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[An
     return tirx.SeqStmt(body), scratch
 
 
-def _plain_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+def _plain_sum(m: _RowSum, form: SumForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
     """Σx = Σ|x − (−128)| − 128·(elements the chunks cover) + tail: one ``vpsadbw`` per
     chunk where LLVM widens and adds (8 instructions per 32 bytes)."""
     low = tirx.const(-128, "int64")
@@ -320,8 +370,42 @@ def _plain_sum(m: _RowSum, form: SadForm, r: tirx.Var) -> tuple[tirx.Stmt, list[
     return tirx.SeqStmt([*steps, _accumulate(m, r, total)]), scratch
 
 
+def _square_sum(m: _RowSum, form: SumForm, r: tirx.Var) -> tuple[tirx.Stmt, list[Any]]:
+    """Σx² in int32: per chunk, each half widened to int16 and ``vpmaddwd`` with itself
+    (x² + x'² per lane) into its own accumulator (two chains, so the adds do not wait
+    on each other), then the tail as written."""
+    i32, w, half = "int32", form.chunk, form.chunk // 2
+    lanes = tirx.Ramp(tirx.const(0, i32), tirx.const(1, i32), form.madd_lanes)
+    sums = [tirx.decl_buffer((form.madd_lanes,), i32, f"sq{i}", scope="global") for i in range(2)]
+    tail = tirx.decl_buffer((1,), i32, "tail", scope="global")
+    j = tirx.Var("j", i32)
+    steps = []
+    for i, buf in enumerate(sums):
+        wide = tirx.Cast(f"int16x{half}", m.x[r, tirx.Ramp(j * w + i * half, tirx.const(1, i32), half)])
+        madd = tirx.call_llvm_pure_intrin(f"int32x{form.madd_lanes}", form.madd, wide, wide)
+        steps.append(tirx.BufferStore(buf, buf[lanes] + madd, [lanes]))
+    chunks = tirx.For(j, tirx.const(0, i32), tirx.const(m.n // w, i32), tirx.ForKind.SERIAL, tirx.SeqStmt(steps))
+    covered = m.n // w * w
+    k = tirx.Var("k", i32)
+    xk = tirx.Cast(i32, m.x[r, k])
+    tail_loop = tirx.For(
+        k, tirx.const(covered, i32), tirx.const(m.n - covered, i32), tirx.ForKind.SERIAL,
+        tirx.BufferStore(tail, tail[0] + xk * xk, [0]),
+    )
+    reduce = f"llvm.vector.reduce.add.v{form.madd_lanes}i32"
+    total = sum((tirx.call_llvm_pure_intrin(i32, reduce, buf[lanes]) for buf in sums), tail[0])
+    body = [
+        *(tirx.BufferStore(buf, tirx.Broadcast(tirx.const(0, i32), form.madd_lanes), [lanes]) for buf in sums),
+        tirx.BufferStore(tail, tirx.const(0, i32), [0]),
+        chunks,
+        tail_loop,
+        _accumulate(m, r, total),
+    ]
+    return tirx.SeqStmt(body), [*sums, tail]
+
+
 def _sad_sums(
-    m: _RowSum, form: SadForm, r: tirx.Var, taus: list[Any], tail_term: Callable[[Any], Any]
+    m: _RowSum, form: SumForm, r: tirx.Var, taus: list[Any], tail_term: Callable[[Any], Any]
 ) -> tuple[list[tirx.Stmt], list[Any], Any, list[Any]]:
     """Statements summing row ``r``; then Σ|x − τ| over the chunks for each τ of ``taus``,
     the tail's Σ tail_term(int64(x)), and the scratch buffers.
@@ -351,7 +435,7 @@ def _sad_sums(
     return steps, totals, tail[0], [*sums, tail]
 
 
-def _covered(m: _RowSum, form: SadForm) -> Any:
+def _covered(m: _RowSum, form: SumForm) -> Any:
     """How many elements of a row the whole chunks hold (int64)."""
     return tirx.const(m.n // form.chunk * form.chunk, "int64")
 
@@ -364,7 +448,7 @@ def _accumulate(m: _RowSum, r: tirx.Var, total: Any) -> tirx.BufferStore:
     return tirx.BufferStore(m.acc, total if m.has_init else m.acc[r] + total, [r])
 
 
-def _chunk_loop(m: _RowSum, form: SadForm, r: tirx.Var, sums: list[Any], taus: list[Any], lanes: Any) -> tirx.For:
+def _chunk_loop(m: _RowSum, form: SumForm, r: tirx.Var, sums: list[Any], taus: list[Any], lanes: Any) -> tirx.For:
     """``sums[i] += vpsadbw(x ^ 0x80, taus[i] + 128)`` over the row's whole chunks."""
     w = form.chunk
     j = tirx.Var("j", "int32")
