@@ -56,6 +56,12 @@ when the engines keep up.  Rows shorter than (D + 1) / E take
 Latency, first input accepted to first output valid:
 ``P·N + S + D + READ_LATENCY + L + 3`` cycles (``NormUnit.latency``).
 
+The softmax unit (:mod:`compilers.rtl.softmax`) is this unit running
+IntSoftmax's forward: its row max is an accumulator like the sums (a
+:class:`~compilers.rtl.values.RowSum` of kind "max"), and where an op reads its
+row index the input pass counts rows (``_row_counter``) and each bank keeps
+its row's count.
+
 Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
 ``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
 ``out_ready``, ``out_data`` (the output format's width); a transfer happens on

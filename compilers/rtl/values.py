@@ -713,8 +713,13 @@ def rom_lookup(values: np.ndarray, index: Hdl) -> Hdl:
     shape = unsigned(max(hi.bit_length(), 1)) if lo >= 0 else signed(bits_for(lo, hi))
     address = max(span.hi.bit_length(), 1)
 
-    def read(ctx: Ctx, at: Value) -> Value:
-        return Array(Const(v, shape) for v in reach)[at.as_unsigned()[:address]]
+    def read(ctx: Ctx, at: Value) -> Value | tuple[Value, int]:
+        data = Array(Const(v, shape) for v in reach)[at.as_unsigned()[:address]]
+        if ctx.pipelined:
+            # registered twice (here, then as the recorded value it is): synthesis may
+            # put a deep ROM in block RAM, whose slow clock-to-out must meet a register
+            return ctx.register(data, "rom"), 1
+        return data
 
     # a mux tree of 2^address entries: about one logic level per 3 address bits
     out = Hdl(index.graph, read, (index,), index.pass_, index.per_row, cost=LOGIC * -(-address // 3))
