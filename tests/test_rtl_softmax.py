@@ -118,3 +118,11 @@ def test_verilator_model_is_bit_exact_on_a_large_stream() -> None:
     out, cycles = build(unit).run(x.reshape(-1))
     assert np.array_equal(out.reshape(x.shape), op.forward(x))
     assert cycles == unit.latency + x.size  # one element per clock end to end
+
+
+def test_a_causal_layer_readme_says_which_query_row_each_row_is() -> None:
+    from compilers.rtl.project import _row_count_note
+
+    note = _row_count_note(IntSoftmax.build(8, QFormat(8, 0.1), PROBS, causal=True, causal_offset=2, query_len=3))
+    assert "query row k mod 3 of its score matrix and keeps columns c <= (k mod 3) + 2" in note
+    assert _row_count_note(case_named("softmax.int8.n32.padding").build()) == ""

@@ -279,7 +279,8 @@ class NormUnit(StreamUnit):
                 late = self.pass_depths[p] - READ_LATENCY
             # the terms are pipelined (their element, step, last flag and bank move
             # together), so the sums and the bank's hand-on come pass_depth clocks late
-            ctx = Ctx(m, x, here, bank, rows, pipelined=True, extra=self._row_counter(m, slot_regs, ptr[0], chan[0]) if p == 0 else {})
+            extra = self._row_counter(m, slot_regs, ptr[0], chan[0]) if p == 0 else {}
+            ctx = Ctx(m, x, here, bank, rows, pipelined=True, extra=extra)
             step_l, last_l = ctx.delay(going, 0, late), ctx.delay(going & (here == n - 1), 0, late)
             bank_l = ctx.delay(bank, 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
