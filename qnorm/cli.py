@@ -308,7 +308,7 @@ def _synth(args: argparse.Namespace) -> int:
     from compilers.rtl.report import write_report  # a missing amaranth: main names the extra
     from qnorm.verify.cases import case_named
 
-    for path in write_report(args.out, case_named, quick=args.quick, progress=_note, patterns=args.unit):
+    for path in write_report(args.out, case_named, quick=args.quick, progress=_note):
         print(f"wrote {path}")
     return 0
 
@@ -324,10 +324,6 @@ def _add_synth_parser(sub: Any) -> None:
         help="the markdown table to write; the PNG goes beside it (default: out/fpga.md)",
     )  # fmt: skip
     synth.add_argument("--quick", action="store_true", help="rows of 64 only, and no xcup (the slowest flow)")
-    synth.add_argument(
-        "--unit", nargs="+", metavar="GLOB",
-        help="only the units whose name matches a glob (the table's unit column: 'softmax.int8.n64', 'fp16_*')",
-    )  # fmt: skip
     synth.set_defaults(func=_synth)
 
 

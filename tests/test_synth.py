@@ -324,8 +324,8 @@ def test_without_an_l1_l2_pair_the_report_says_there_is_no_ratio() -> None:
 def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(report, "QUICK_FAMILIES", ("ecp5",))
-    monkeypatch.setattr(report, "op_units", lambda quick, case_named, patterns: [_report_unit("square_sum", 8)])
-    monkeypatch.setattr(report, "fp16_units", lambda lengths, patterns: [])
+    monkeypatch.setattr(report, "op_units", lambda quick, case_named: [_report_unit("square_sum", 8)])
+    monkeypatch.setattr(report, "fp16_units", lambda lengths: [])
     out = tmp_path / "fpga" / "table.md"
     assert main(["synth", "--quick", "--out", str(out)]) == 0
     text = out.read_text()
@@ -348,17 +348,6 @@ def test_every_report_unit_converts_to_rtlil():
     assert {u.op for u in units} >= {"int_layernorm", "l1_layernorm", "multithreshold"}
     cheapest = next(u for u in units if u.op == "multithreshold")
     assert f"module \\{synth.TOP}" in synth.to_rtlil(cheapest.elaboratable, cheapest.ports)
-
-
-def test_a_unit_filter_builds_only_the_units_it_names(capsys) -> None:
-    from qnorm.verify.cases import case_named
-
-    units = report.op_units(False, case_named, ["softmax.*", "l1_layernorm.int8.n768"])
-    assert [u.name for u in units] == ["l1_layernorm.int8.n768", "softmax.int8.n64"]
-    assert units[1].cycles_per_row == 64 and units[1].elements_per_cycle == 1.0
-    assert [u.name for u in report.fp16_units(report.ROW_LENGTHS, ["fp16_layernorm.n64"])] == ["fp16_layernorm.n64"]
-    assert main(["synth", "--quick", "--unit", "nothing.*"]) == 2
-    assert "no report unit's name matches nothing.*" in capsys.readouterr().err
 
 
 def test_quick_report_units_are_rows_of_64_only() -> None:

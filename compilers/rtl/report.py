@@ -8,13 +8,11 @@ same row lengths.  The table gives, per unit × family, the post-synthesis LUT /
 FF / DSP / BRAM counts, the place-and-route Fmax (ECP5, iCE40), cycles per row and
 elements per second at Fmax; then the P5 ratios (L1 vs integer L2, each vs FP16:
 LUT, FF, DSP on xc7 and ecp5) and the versions of the tools that produced it.
-``--unit GLOB`` keeps only the units whose name (the table's unit column) matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +32,6 @@ from compilers.rtl.synth import (
     to_rtlil,
 )
 from compilers.rtl.unit import rtl_unit
-from qnorm.errors import UsageError
 
 # The integer ops' configurations, as verify cases; "@768" is the case with rows of 768
 # (every 768-wide unit is spelled so, which is how --quick leaves them all out).
@@ -83,18 +80,10 @@ class ReportUnit:
         return None
 
 
-def selected(name: str, patterns: Sequence[str] | None) -> bool:
-    """Whether the unit named ``name`` is in the report (``patterns`` None: every unit)."""
-    return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def fp16_units(row_lengths: Iterable[int], patterns: Sequence[str] | None = None) -> list[ReportUnit]:
-    """The FP16 LayerNorm at each row length (those :func:`selected` by ``patterns``);
-    γ, β seeded (constant ones would fold away)."""
+def fp16_units(row_lengths: Iterable[int]) -> list[ReportUnit]:
+    """The FP16 LayerNorm at each row length; γ, β seeded (constant ones would fold away)."""
     units = []
     for n in row_lengths:
-        if not selected(f"{FP16_OP}.n{n}", patterns):
-            continue
         rng = np.random.default_rng(n)
         unit = FP16LayerNorm(n, rng.uniform(0.5, 2.0, n), rng.normal(0.0, 0.2, n))
         units.append(
@@ -103,11 +92,10 @@ def fp16_units(row_lengths: Iterable[int], patterns: Sequence[str] | None = None
     return units
 
 
-def op_units(quick: bool, case_named: Callable[[str], Any], patterns: Sequence[str] | None = None) -> list[ReportUnit]:
-    """The integer ops' RTL units of :data:`OP_CASES` (rows of 64 only with ``quick``;
-    only those :func:`selected` by ``patterns``, built only then); ``case_named``: the
-    verify catalogue's lookup (``qnorm.verify.cases.case_named``, passed in by the
-    command: the catalogue sits above the compilers)."""
+def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
+    """The integer ops' RTL units of :data:`OP_CASES` (rows of 64 only with ``quick``);
+    ``case_named``: the verify catalogue's lookup (``qnorm.verify.cases.case_named``,
+    passed in by the command: the catalogue sits above the compilers)."""
     units = []
     for spec in OP_CASES:
         name, _, length = spec.partition("@")
@@ -118,8 +106,6 @@ def op_units(quick: bool, case_named: Callable[[str], Any], patterns: Sequence[s
             case = dataclasses.replace(
                 case, name=name.replace(f"n{case.config['n']}", f"n{length}"), config={**case.config, "n": int(length)}
             )
-        if not selected(case.name, patterns):
-            continue
         unit = rtl_unit(case.build())
         op, _, config = case.name.partition(".")
         units.append(
@@ -302,17 +288,11 @@ def write_report(
     case_named: Callable[[str], Any],
     quick: bool = False,
     progress: Callable[[str], None] = lambda line: None,
-    patterns: Sequence[str] | None = None,
 ) -> list[Path]:
-    """Synthesize every unit (``quick``: rows of 64, no xcup; ``patterns``: only the units
-    whose name matches one) and write ``out`` (markdown) and the PNG beside it; returns
-    the paths written.  ``case_named``: see :func:`op_units`."""
+    """Synthesize every unit (``quick``: rows of 64, no xcup) and write ``out`` (markdown)
+    and the PNG beside it; returns the paths written.  ``case_named``: see :func:`op_units`."""
     families = QUICK_FAMILIES if quick else tuple(FAMILIES)
-    lengths = QUICK_ROW_LENGTHS if quick else ROW_LENGTHS
-    units = [*op_units(quick, case_named, patterns), *fp16_units(lengths, patterns)]
-    if not units:
-        raise UsageError(f"no report unit's name matches {' '.join(patterns or [])}"
-                         f"{' (--quick leaves out the rows of 768)' if quick else ''}")
+    units = [*op_units(quick, case_named), *fp16_units(QUICK_ROW_LENGTHS if quick else ROW_LENGTHS)]
     results = synthesize_all(units, families, progress)
     table, png = report_paths(out)
     table.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed, unsigned
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
 
 from qnorm.analysis import Interval
 from qnorm.fixedpoint import bits_for, isqrt_digits
@@ -710,7 +710,7 @@ def rom_lookup(values: np.ndarray, index: Hdl) -> Hdl:
                          f"not proven inside [0, {len(values) - 1}]")
     reach = [int(v) for v in values[: span.hi + 1]]
     lo, hi = min(reach), max(reach)
-    shape = unsigned(max(hi.bit_length(), 1)) if lo >= 0 else signed(bits_for(lo, hi))
+    shape = range(hi + 1) if lo >= 0 else signed(bits_for(lo, hi))  # a range: the unsigned width holding it
     address = max(span.hi.bit_length(), 1)
 
     def read(ctx: Ctx, at: Value) -> Value | tuple[Value, int]:
