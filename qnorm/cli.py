@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     compile_.add_argument(
         "--skip-unsupported", action="store_true",
-        help="fpga-rtl: leave out the layers that have no RTL unit (IntSoftmax, float norms), "
+        help="fpga-rtl: leave out the layers that have no RTL unit (float norms and neurons), "
              "listed in rtl.json, instead of refusing the model",
     )  # fmt: skip
     _add_import_argument(compile_)

@@ -184,35 +184,48 @@ def transformer(tmp_path_factory):
     return save_checkpoint(model.eval(), tmp_path_factory.mktemp("ckpt") / "transformer")
 
 
-def test_layers_without_an_rtl_unit_refuse_the_model_naming_each(transformer, tmp_path, capsys) -> None:
+def test_layers_without_an_rtl_unit_refuse_the_model_naming_each(tmp_path, capsys) -> None:
+    """The float transformer: float norms (and a float softmax and GELU, which are no qnorm layers)."""
+    checkpoint = save_checkpoint(build_model("transformer", norm="float", depth=1).eval(), tmp_path / "float")
     out = tmp_path / "out"
-    assert main(["compile", str(transformer), "--target", "fpga-rtl", "-o", str(out)]) == 1
+    assert main(["compile", str(checkpoint), "--target", "fpga-rtl", "-o", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "qnorm compile: error: 1 layer(s) have no RTL unit: " in err
-    assert "blocks.0.attn.softmax (IntSoftmax: no RTL unit for IntSoftmax)" in err
-    assert "IntGELU" not in err  # the MLP's activation has a unit
+    assert "qnorm compile: error: 3 layer(s) have no RTL unit: " in err
+    assert "blocks.0.norm1 (LayerNorm: a float layer); blocks.0.norm2 (LayerNorm: a float layer)" in err
     assert "--skip-unsupported" in err and not out.exists()
 
 
 def test_skip_unsupported_leaves_them_out_and_lists_them(transformer) -> None:
     model, _ = load_checkpoint(transformer)
+    model.norm = torch.nn.LayerNorm(model.norm.weight.shape[-1])  # the final norm in float
     layers, skipped = model_layers(model, skip_unsupported=True)
-    assert [layer.name for layer in layers] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.0.mlp.act", "norm"]
-    assert [(s.name, s.layer_class) for s in skipped] == [("blocks.0.attn.softmax", "IntSoftmax")]
+    assert [layer.name for layer in layers] == ["blocks.0.norm1", "blocks.0.attn.softmax", "blocks.0.norm2",
+                                                "blocks.0.mlp.act"]
+    assert [(s.name, s.layer_class) for s in skipped] == [("norm", "LayerNorm")]
 
 
-def test_the_transformers_gelu_layer_deploys_and_its_testbench_passes_in_verilator(transformer, cache,
-                                                                                 tmp_path) -> None:  # fmt: skip
+def test_every_layer_of_the_integer_transformer_has_a_unit(transformer) -> None:
+    model, _ = load_checkpoint(transformer)
+    layers, skipped = model_layers(model)
+    assert [layer.name for layer in layers] == [
+        "blocks.0.norm1", "blocks.0.attn.softmax", "blocks.0.norm2", "blocks.0.mlp.act", "norm"]
+    assert skipped == []
+
+
+@pytest.mark.parametrize(("name", "op", "row_length"), [("blocks.0.mlp.act", "int_gelu", 1),
+                                                        ("blocks.0.attn.softmax", "softmax", 8)])
+def test_the_transformers_attention_and_gelu_layers_deploy_and_their_testbenches_pass_in_verilator(
+        transformer, cache, tmp_path, name: str, op: str, row_length: int) -> None:  # fmt: skip
     if shutil.which("g++") is None or shutil.which("make") is None:
         pytest.skip("Verilator builds with g++ and make, which are not on PATH")
     model, _ = load_checkpoint(transformer)
-    layers, _ = model_layers(model, skip_unsupported=True)
-    act = next(layer for layer in layers if layer.name == "blocks.0.mlp.act")
-    assert act.op.name == "int_gelu"
-    fields = {f.name: getattr(act, f.name) for f in dataclasses.fields(act)}
-    folder, unit = tmp_path / "act", rtl_unit(act.op)
+    layers, _ = model_layers(model)
+    layer = next(layer for layer in layers if layer.name == name)
+    assert layer.op.name == op
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+    folder, unit = tmp_path / "layer", rtl_unit(layer.op)
     entry = project.write_layer(RtlLayer(**fields, unit=unit), folder)
-    assert entry["latency"] == unit.latency and entry["row_length"] == 1
+    assert entry["latency"] == unit.latency and entry["row_length"] == row_length
     count = entry["vectors"]["elements"]
     passed = run([str(verilator(folder, entry["module"]))], folder)
     assert passed.returncode == 0 and f"PASS: {count} of {count} outputs equal the golden op's" in passed.stdout

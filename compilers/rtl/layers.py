@@ -6,7 +6,7 @@ layers folded, as every compiled target runs them) and lists its qnorm layers;
 (:func:`qnorm.analysis.check_target`) and builds its RTL unit
 (:func:`~compilers.rtl.rtl_unit`).  A layer that has no RTL unit refuses the model
 before any unit is built, every such layer named with its class in one error:
-qnorm layers of an op family without a unit (IntSoftmax) and the
+qnorm layers of an op family without a unit and the
 float norm and neuron layers of :mod:`qnorm.nn.kinds` (``nn.LayerNorm``, ...), which
 would leave the datapath in float.  With ``skip_unsupported`` they are listed
 instead and left out.

@@ -56,6 +56,12 @@ when the engines keep up.  Rows shorter than (D + 1) / E take
 Latency, first input accepted to first output valid:
 ``P·N + S + D + READ_LATENCY + L + 3`` cycles (``NormUnit.latency``).
 
+The softmax unit (:mod:`compilers.rtl.softmax`) is this unit running
+IntSoftmax's forward: its row max is an accumulator like the sums (a
+:class:`~compilers.rtl.values.RowSum` of kind "max"), and where an op reads its
+row index the input pass counts rows (``_row_counter``) and each bank keeps
+its row's count.
+
 Interface (plain signals, not amaranth.lib.stream): ``in_valid``,
 ``in_ready``, ``in_data`` (the input format's width), ``out_valid``,
 ``out_ready``, ``out_data`` (the output format's width); a transfer happens on
@@ -65,9 +71,12 @@ consecutive groups of N elements, element 0 first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from amaranth.hdl import (
     Array,
     Module,
+    Mux,
     Signal,
     Value,
     signed,
@@ -76,7 +85,6 @@ from amaranth.lib.memory import Memory
 
 from compilers.rtl.stream import StreamUnit, fmt_shape
 from compilers.rtl.values import (
-    CARRY,
     DEPTH_BUDGET,
     Ctx,
     Graph,
@@ -134,7 +142,7 @@ class NormUnit(StreamUnit):
         self._MustUse__silence = True  # Amaranth's unused-unit warning: not for a refused op
         self.op = op
         self.n = op.config.n
-        self.graph, self.y = norm_graph(op)
+        self.graph, self.y = self._build_graph(op)
         self._MustUse__silence = False
         self.passes = self.graph.passes()
         self.pass_depths, self.row_depth, self.element_depth = self._depths()
@@ -146,6 +154,10 @@ class NormUnit(StreamUnit):
         # engines in turn, so a row's D + 1 clocks fit the N of each of E rows
         self.engines = min(-(-(self.row_depth + 1) // self.n), MAX_ENGINES)
         self._make_streams(op.in_fmt, op.out_fmt)
+
+    def _build_graph(self, op: NormOp) -> tuple[Graph, Hdl]:
+        """The op's stages on HDL values (a unit of another row op overrides this)."""
+        return norm_graph(op)
 
     @property
     def cycles_per_row(self) -> int:
@@ -175,6 +187,8 @@ class NormUnit(StreamUnit):
         m._MustUse__silence = True
         widths = {rs.slot: rs.width(64) for rs in self.graph.sums}
         widths.update({slot: rs_bits(v) for slot, v in self.graph.latched.items()})
+        if self.graph.row_slot is not None:
+            widths[self.graph.row_slot] = bits_for(0, self.graph.row_period - 1)
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
         row = Ctx(m, Signal(8), zero, None, rows, sequential=True, step=Signal(16), busy=Signal())
@@ -265,20 +279,21 @@ class NormUnit(StreamUnit):
                 late = self.pass_depths[p] - READ_LATENCY
             # the terms are pipelined (their element, step, last flag and bank move
             # together), so the sums and the bank's hand-on come pass_depth clocks late
-            ctx = Ctx(m, x, here, bank, rows, pipelined=True)
+            extra = self._row_counter(m, slot_regs, ptr[0], chan[0]) if p == 0 else {}
+            ctx = Ctx(m, x, here, bank, rows, pipelined=True, extra=extra)
             step_l, last_l = ctx.delay(going, 0, late), ctx.delay(going & (here == n - 1), 0, late)
             bank_l = ctx.delay(bank, 0, late)
             for rs in [s for s in graph.sums if s.term.pass_ == p]:
                 value, level = accumulated_term(ctx, rs)
                 term = signed_value(ctx.delay(value, level, late))
                 width = rs.width(len(term))
-                acc = Signal(signed(width), name=f"acc{rs.slot}")
+                acc = Signal(signed(width), name=f"acc{rs.slot}", init=rs.identity(width))
                 regs = slot_regs(rs.slot, width)
                 with m.If(step_l):
                     with m.If(last_l):
-                        m.d.sync += [Array(regs)[bank_l].eq(acc + term), acc.eq(0)]
+                        m.d.sync += [Array(regs)[bank_l].eq(rs.combine(acc, term)), acc.eq(rs.identity(width))]
                     with m.Else():
-                        m.d.sync += acc.eq(acc + term)
+                        m.d.sync += acc.eq(rs.combine(acc, term))
             with m.If(last_l):
                 m.d.sync += Array(phase)[bank_l].eq(p + 1 if p + 1 < p_count else row_ready)
             count(p, step)
@@ -330,12 +345,29 @@ class NormUnit(StreamUnit):
         count(o, step, 0)
         return m
 
+    def _row_counter(self, m: Module, slot_regs: Callable[[int, int], list[Signal]], bank: Value,
+                     column: Value) -> dict[str, Value]:
+        """The input pass's extra leaves: the row counter (modulo the graph's row
+        period) where the op reads its row index; each row's count is kept in its
+        bank for the later passes."""
+        graph = self.graph
+        if graph.row_slot is None:
+            return {}
+        period = graph.row_period
+        count = Signal(range(period), name="row_count")
+        regs = slot_regs(graph.row_slot, bits_for(0, period - 1))
+        with m.If(self.in_valid & self.in_ready):
+            m.d.sync += Array(regs)[bank].eq(count)
+            with m.If(column == self.n - 1):
+                m.d.sync += count.eq(Mux(count == period - 1, 0, count + 1))
+        return {"row": count}
+
 
 def accumulated_term(ctx: Ctx, rs: RowSum) -> tuple[Value, int]:
     """A row sum's term in a pass's pipeline, registered where its path and the
     accumulator's add would outgrow a clock: (value, level)."""
     value, level = rs.term.staged(ctx)
-    if ctx.depths.get(id(rs.term), 0) + CARRY > DEPTH_BUDGET:
+    if ctx.depths.get(id(rs.term), 0) + rs.cost > DEPTH_BUDGET:
         value, level = ctx.cut(rs.term, value, level)
     return value, level
 

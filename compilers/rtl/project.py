@@ -31,6 +31,8 @@ from compilers.rtl.layers import RtlLayer, Unsupported
 from compilers.rtl.testbench import EXPECTED_HEX, INPUT_HEX, hex_words, input_bits, layer_vectors, testbench
 from compilers.rtl.unit import RtlUnit
 from qnorm.nn.base import jsonable
+from qnorm.ops.base import IntOp
+from qnorm.ops.softmax import IntSoftmax
 
 TARGET = "fpga-rtl"
 METADATA = "rtl.json"
@@ -101,6 +103,15 @@ def _per(unit: RtlUnit) -> str:
     return f"row of {unit.row_length}" if unit.row_length > 1 else "element"
 
 
+def _row_count_note(op: IntOp) -> str:
+    """A causal softmax counts its rows: which query row each one is."""
+    if not (isinstance(op, IntSoftmax) and op.config.causal):
+        return ""
+    cfg = op.config
+    return (f"; row k (counted from reset) is query row k mod {cfg.query_len} of its score matrix and keeps "
+            f"columns c <= (k mod {cfg.query_len}) + {cfg.causal_offset}")
+
+
 def _fmt(bits: int, signed: bool) -> str:
     return f"{'signed' if signed else 'unsigned'} {bits}-bit"
 
@@ -110,7 +121,7 @@ def layer_readme(layer: RtlLayer, module: str, count: int) -> str:
     unit = layer.unit
     meta = layer.metadata["golden"]
     stream = (
-        f"rows of {unit.row_length} elements, back to back" if unit.row_length > 1
+        f"rows of {unit.row_length} elements, back to back{_row_count_note(layer.op)}" if unit.row_length > 1
         else "per sample, its time steps of all channels (channel fastest); in_first high with the sample's "
              "first element (its membranes start at rest)" if unit.has_first
         else "(rows, channels) arrays, channel fastest"

@@ -2,8 +2,8 @@
 family, as ``out/fpga.md`` and ``out/fpga.png``.
 
 The units are the integer ops' RTL (``compilers.rtl.rtl_unit`` over
-:data:`OP_CASES`, int8 rows of 64 and 768 for the four norms, a multi-threshold
-and a folded LIF neuron) and the FP16 LayerNorm reference (:mod:`.fp16`) at the
+:data:`OP_CASES`, int8 rows of 64 and 768 for the four norms, an int8 softmax
+over rows of 64, a multi-threshold and a folded LIF neuron) and the FP16 LayerNorm reference (:mod:`.fp16`) at the
 same row lengths.  The table gives, per unit × family, the post-synthesis LUT /
 FF / DSP / BRAM counts, the place-and-route Fmax (ECP5, iCE40), cycles per row and
 elements per second at Fmax; then the P5 ratios (L1 vs integer L2, each vs FP16:
@@ -44,6 +44,7 @@ OP_CASES: tuple[str, ...] = (
     "l1_layernorm.int8.n64@768",
     "shift_layernorm.int8.n64.m2@768",
     "int_rmsnorm.int8.n64@768",
+    "softmax.int8.n64",
     "multithreshold.int8.c16.relu4",
     "folded_lif.int8.c16.hard.ge.leak0875",
 )

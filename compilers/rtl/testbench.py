@@ -27,6 +27,7 @@ from compilers.rtl.unit import RtlUnit
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.activation import IntActivation
 from qnorm.ops.base import IntOp
+from qnorm.ops.softmax import IntSoftmax
 from qnorm.ops.spiking import _LIFNeuron
 
 RANDOM_VECTORS = 32  # random rows (samples, for a neuron) after the edge ones
@@ -51,9 +52,11 @@ class Vectors:
 
 
 def _vector_shape(op: IntOp) -> tuple[int, ...]:
-    """The op-layout shape of one test vector: a row of a norm, one row of channels of a
-    BN unit, one sample's (T, channels) of a neuron, a few elements of an activation."""
-    if isinstance(op, NormOp):
+    """The op-layout shape of one test vector: a row of a norm or a softmax (a causal
+    softmax's rows are the query rows in turn, as the unit counts them), one row of
+    channels of a BN unit, one sample's (T, channels) of a neuron, a few elements of
+    an activation."""
+    if isinstance(op, (NormOp, IntSoftmax)):
         return (op.config.n,)
     if isinstance(op, IntActivation):
         return (ACTIVATION_ELEMENTS,)

@@ -8,7 +8,8 @@ rising edge where valid and ready are both high):
 * neuron units also ``in_first``: high with the first element of a sample
   (time step 0, channel 0), which starts every membrane at u_rest.
 
-The stream order is the op's layout flattened: rows of N for a norm; elements
+The stream order is the op's layout flattened: rows of N for a norm or a softmax
+(a causal softmax's rows in order: the unit counts them for the query index); elements
 of a (rows, C) array for the BN units; any array flattened for the activations;
 for the neurons, per sample the T time steps of C channels (``(T, B, C)`` inputs are streamed sample by sample).
 """
@@ -23,10 +24,12 @@ from compilers.rtl.activation import ActivationUnit
 from compilers.rtl.elementwise import ElementwiseUnit
 from compilers.rtl.neuron import NeuronUnit
 from compilers.rtl.norm import NormUnit
+from compilers.rtl.softmax import SoftmaxUnit
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.activation import IntActivation
 from qnorm.ops.base import IntOp
 from qnorm.ops.multithreshold import BNQuant, MultiThreshold
+from qnorm.ops.softmax import IntSoftmax
 from qnorm.ops.spiking import _LIFNeuron
 
 
@@ -35,7 +38,7 @@ class RtlUnit:
     """A generated unit and its timing.
 
     ``latency``: cycles from the first input accepted to the first output valid.
-    ``cycles_per_row``: cycles per row (norms: N) or per element (elementwise and
+    ``cycles_per_row``: cycles per row (norms and softmax: N) or per element (elementwise and
     neuron units: 1) in steady state, with input valid and output ready held high.
     ``elements_per_cycle``: the steady-state throughput (1, except norm units of
     rows too short to hide the per-row pipeline behind their banks).
@@ -66,10 +69,12 @@ class RtlUnit:
 def rtl_unit(op: IntOp) -> RtlUnit:
     """The streaming unit of one golden op instance (raises NotImplementedError for
     an op family without one)."""
-    if isinstance(op, NormOp):
-        unit: NormUnit | ElementwiseUnit | NeuronUnit | ActivationUnit = NormUnit(op)
+    if isinstance(op, (NormOp, IntSoftmax)):
+        unit: NormUnit | ElementwiseUnit | NeuronUnit | ActivationUnit = (
+            SoftmaxUnit(op) if isinstance(op, IntSoftmax) else NormUnit(op))
         n = op.config.n
-        return RtlUnit(f"{op.name}_n{n}", op, unit, *_ports(op), latency=unit.latency,
+        masks = [m for m in ("causal", "padding") if getattr(op.config, m, False)]  # a softmax's
+        return RtlUnit("_".join([op.name, f"n{n}", *masks]), op, unit, *_ports(op), latency=unit.latency,
                        cycles_per_row=unit.cycles_per_row, elements_per_cycle=n / unit.cycles_per_row, row_length=n)
     if isinstance(op, (MultiThreshold, BNQuant)):
         unit = ElementwiseUnit(op)
@@ -92,4 +97,4 @@ def _ports(op: IntOp) -> tuple[int, bool, int, bool]:
 
 def has_rtl_unit(op: IntOp) -> bool:
     """Whether :func:`rtl_unit` has a unit for ``op``'s family (without building it)."""
-    return isinstance(op, (NormOp, MultiThreshold, BNQuant, _LIFNeuron, IntActivation))
+    return isinstance(op, (NormOp, IntSoftmax, MultiThreshold, BNQuant, _LIFNeuron, IntActivation))

@@ -208,20 +208,38 @@ def bank_read(ctx: Ctx, slot: int) -> Value:
 
 @dataclass(eq=False)
 class RowSum:
-    """An accumulator: ``term`` summed over the row in pass ``term.pass_``."""
+    """An accumulator: ``term`` reduced over the row in pass ``term.pass_``: summed
+    (``kind`` "sum"), or its maximum ("max": a softmax's row max)."""
 
     slot: int
     term: Hdl
     result: Hdl | None = None
+    kind: str = "sum"
 
     def width(self, term_bits: int) -> int:
-        """The accumulator's width: the proven one where the op recorded the sum, else
-        enough for N terms of ``term_bits``."""
+        """The accumulator's width: the proven one where the op recorded the result,
+        else enough for N terms of ``term_bits`` (a maximum: the term's own)."""
         iv = None if self.result is None else self.result.iv
         if iv is not None:
             return bits_for(iv.lo, iv.hi)
+        if self.kind == "max":
+            return term_bits
         n = 1 if self.result is None else self.result.graph.n
         return term_bits + max(n - 1, 1).bit_length()
+
+    def combine(self, acc: Value, term: Value) -> Value:
+        """The accumulator's next value after ``term``."""
+        return Mux(term > acc, term, acc) if self.kind == "max" else acc + term
+
+    def identity(self, width: int) -> int:
+        """The accumulator's value before a row's first term: 0, or for a maximum the
+        least value of its width (every term is at least that)."""
+        return -(1 << (width - 1)) if self.kind == "max" else 0
+
+    @property
+    def cost(self) -> int:
+        """The accumulator's logic levels: an add; a maximum's compare and select."""
+        return CARRY + LOGIC if self.kind == "max" else CARRY
 
 
 class Graph:
@@ -229,12 +247,17 @@ class Graph:
     into banks, plus the leaf of the element stream.  ``n``: the row length (1 for
     elementwise units); ``shape``: the trailing shape an element stands for."""
 
-    def __init__(self, n: int, shape: tuple[int, ...] = ()) -> None:
+    def __init__(self, n: int, shape: tuple[int, ...] = (), row_period: int | None = None) -> None:
         self.n = n
         self.shape = shape
         self.sums: list[RowSum] = []
         self.latched: dict[int, Hdl] = {}
         self._slots = 0
+        # a unit that counts its rows modulo row_period (a causal softmax's query
+        # index): the bank slot that keeps each row's count, once the op reads it
+        self.row_period = row_period
+        self.row_slot: int | None = None
+        self._row: Hdl | None = None
 
     def new_slot(self) -> int:
         self._slots += 1
@@ -257,6 +280,33 @@ class Graph:
     def passes(self) -> int:
         """How many passes over the row the statistic takes (at least one: the input)."""
         return 1 + max((s.term.pass_ for s in self.sums), default=0)
+
+    def row_index(self) -> Hdl:
+        """The row's index in the stream modulo ``row_period``: in the input pass the
+        unit's row counter (``ctx.extra["row"]``), in later ones the count its bank
+        kept.  Only ``row_index % q`` with q dividing the period is the op's row
+        index mod q; the bound [0, period − 1] makes ``% period`` the value itself."""
+        if self.row_period is None:
+            raise NotImplementedError("this unit does not count its rows: the op reads a row index")
+        if self._row is None:
+            slot = self.row_slot = self.new_slot()
+
+            def read(ctx: Ctx) -> Value:
+                if "row" in ctx.extra:
+                    return ctx.extra["row"]
+                if ctx.bank is None:
+                    raise NotImplementedError("the row engine reads no row index (it holds only the row's sums)")
+                return bank_read(ctx, slot)
+
+            self._row = Hdl(self, read, (), 0, True, cost=LOGIC)  # a register, or the banks' mux
+            self._row.known = Interval(0, self.row_period - 1)
+        return self._row
+
+    def column_index(self) -> Hdl:
+        """The element's column in its row (the stage's channel)."""
+        column = Hdl(self, lambda ctx: ctx.channel, (), 0, False)
+        column.known = Interval(0, self.n - 1)
+        return column
 
 
 class Hdl:
@@ -449,6 +499,9 @@ class Hdl:
     def _divider(self, b: Hdl, quotient: bool) -> Hdl:
         a = self
         k = b.constant
+        if k is not None and a.bound is not None and 0 <= a.bound.lo and a.bound.hi < k:
+            # proven below the divisor (a row counter mod its own period): no divider
+            return a._lift(0) if quotient else a._unary(lambda n: n, cost=0)
         if k is not None and k > 0 and k & (k - 1) == 0:
             s = k.bit_length() - 1
             if quotient:
@@ -492,7 +545,11 @@ class Hdl:
         return out
 
     def __and__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a & b, cost=LOGIC)
+        out = self._combine(o, lambda a, b: a & b, cost=LOGIC)
+        mask = self._lift(o).constant
+        if mask is not None and mask >= 0:  # a mask keeps bits of itself: [0, mask]
+            out.known = Interval(0, mask)
+        return out
 
     __rand__ = __and__
 
@@ -557,11 +614,26 @@ class Hdl:
 
     def sum(self, axis: int = -1, keepdims: bool = True, dtype: Any = None) -> Hdl:
         """``row_sum``: an accumulator over the row, in the pass that evaluates this term."""
+        return self._reduce("sum")
+
+    def max(self, axis: int = -1, keepdims: bool = True) -> Hdl:
+        """``row_max``: a running maximum over the row, in the pass that evaluates this term."""
+        return self._reduce("max")
+
+    def row_index(self) -> Hdl:
+        """``_xp.row_index``: :meth:`Graph.row_index`."""
+        return self.graph.row_index()
+
+    def column_index(self) -> Hdl:
+        """``_xp.column_index``: :meth:`Graph.column_index`."""
+        return self.graph.column_index()
+
+    def _reduce(self, kind: str) -> Hdl:
         if self.per_row:
-            raise TypeError("a per-row value has no row to sum over")
+            raise TypeError(f"a per-row value has no row to {kind} over")
         graph = self.graph
         self.uses += 1
-        acc = RowSum(graph.new_slot(), self)
+        acc = RowSum(graph.new_slot(), self, kind=kind)
         graph.sums.append(acc)
         acc.result = Hdl(graph, lambda ctx: bank_read(ctx, acc.slot), (), self.pass_ + 1, True)
         acc.result.banked = True
@@ -621,7 +693,38 @@ class Table(Hdl):
     def __getitem__(self, key: Any) -> Hdl:
         if isinstance(key, tuple) and len(key) == 2 and key[0] is Ellipsis and isinstance(key[1], (int, np.integer)):
             return Table(self.graph, self.values[..., int(key[1])])
-        raise TypeError(f"a constant table is indexed [..., j], not {key!r}")
+        if isinstance(key, Hdl):  # _xp.lookup: a table read at a computed index
+            return rom_lookup(self.values, key)
+        raise TypeError(f"a constant table is indexed [..., j] or by an HDL value, not {key!r}")
+
+
+def rom_lookup(values: np.ndarray, index: Hdl) -> Hdl:
+    """``values[index]`` of a 1-D table at an index its bound proves inside the table:
+    a ROM of the values' exact width (unsigned where none is negative) addressed by
+    the index's low bits, holding the entries the index can reach."""
+    if values.ndim != 1:
+        raise TypeError(f"a table read at a computed index must be 1-D, not of shape {values.shape}")
+    span = index.bound
+    if span is None or span.lo < 0 or span.hi >= len(values):
+        raise ValueError(f"a {len(values)}-entry table is read at an index bounded by {span}, "
+                         f"not proven inside [0, {len(values) - 1}]")
+    reach = [int(v) for v in values[: span.hi + 1]]
+    lo, hi = min(reach), max(reach)
+    shape = range(hi + 1) if lo >= 0 else signed(bits_for(lo, hi))  # a range: the unsigned width holding it
+    address = max(span.hi.bit_length(), 1)
+
+    def read(ctx: Ctx, at: Value) -> Value | tuple[Value, int]:
+        data = Array(Const(v, shape) for v in reach)[at.as_unsigned()[:address]]
+        if ctx.pipelined:
+            # registered twice (here, then as the recorded value it is): synthesis may
+            # put a deep ROM in block RAM, whose slow clock-to-out must meet a register
+            return ctx.register(data, "rom"), 1
+        return data
+
+    # a mux tree of 2^address entries: about one logic level per 3 address bits
+    out = Hdl(index.graph, read, (index,), index.pass_, index.per_row, cost=LOGIC * -(-address // 3))
+    out.known = Interval(lo, hi)
+    return out
 
 
 def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:

@@ -68,7 +68,13 @@ def lookup(table: np.ndarray, idx: Any) -> Any:
 
 
 def row_index(x: Any) -> Any:
-    """Each row's position in the flattened leading axes, shape ``(*x.shape[:-1], 1)``."""
+    """Each row's position in the flattened leading axes, shape ``(*x.shape[:-1], 1)``.
+
+    An operand kind with its own ``row_index`` (the RTL generator's HDL values: the
+    unit's row counter) gives it itself."""
+    own = getattr(type(x), "row_index", None)
+    if own is not None:
+        return own(x)
     lead = tuple(x.shape[:-1])
     count = int(np.prod(lead, dtype=np.int64))
     if is_torch(x):
@@ -79,7 +85,11 @@ def row_index(x: Any) -> Any:
 
 
 def column_index(x: Any) -> Any:
-    """Each column's position in its row, shape ``(n,)``."""
+    """Each column's position in its row, shape ``(n,)`` (an operand kind with its own
+    ``column_index``, the HDL values: the element's column)."""
+    own = getattr(type(x), "column_index", None)
+    if own is not None:
+        return own(x)
     n = int(x.shape[-1])
     if is_torch(x):
         import torch
