@@ -346,23 +346,33 @@ def centered_ranges(rep: RangeReport, cfg: NormConfig, record_centered: bool = T
     return d
 
 
-@functools.lru_cache(maxsize=1024)
+def round_scaled(q: Fraction, shift: int) -> int:
+    """:func:`round_rational` of ``q · 2^shift`` (shift >= 0) in integers:
+    ``floor(n 2^s / d + 1/2) = floor((2 n 2^s + d) / (2 d))`` for q = n / d, d > 0.
+    A calibrating QAT layer forms ε_int this way every step."""
+    d = q.denominator
+    return ((q.numerator << (shift + 1)) + d) // (d << 1)
+
+
 def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
     """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
 
     The smallest g >= 0 with ε_S 2^(p g) >= 2^EPS_RESOLUTION_BITS — 0 when ε = 0 —
     lowered until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits the 63-bit
     check (< 2^62).  The op's full range analysis may lower it further
-    (``NormOp._build``).
+    (``NormOp._build``).  In integers (ε_S = n / d): the smallest k >= 0 with
+    ``n 2^k >= d 2^EPS_RESOLUTION_BITS``, then g = ceil(k / p).
     """
     if eps_s <= 0:
         return 0
-    q = Fraction(1 << EPS_RESOLUTION_BITS) / eps_s  # need 2^(p g) >= q
-    k = max(q.numerator.bit_length() - q.denominator.bit_length() + 1, 0)  # 2^k >= q
-    while k > 0 and Fraction(1 << (k - 1)) >= q:
-        k -= 1
+    n, d = eps_s.numerator, eps_s.denominator
+    need = d << EPS_RESOLUTION_BITS
+    # with a, b the bit lengths of n and need, n 2^(b−a−1) < 2^(b−1) <= need <= n 2^(b−a+1):
+    # k is b − a or one more (0 when b < a: then n > need)
+    k = max(need.bit_length() - n.bit_length(), 0)
+    k = k + 1 if n << k < need else k
     g = min(-(-k // p), 61 // p)
-    while g > 0 and (stat_hi << (p * g)) + round_rational(eps_s * (1 << (p * g))) >= 1 << 62:
+    while g > 0 and (stat_hi << (p * g)) + round_scaled(eps_s, p * g) >= 1 << 62:
         g -= 1
     return g
 
@@ -903,7 +913,7 @@ class NormOp(IntOp):
         g = eps_guard_bits(eps_s, cls._raw_stat_hi(cfg), cfg.p)
         while True:
             # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
-            cfg = derived_config(cfg, eps=round_rational(eps_s * (1 << (cfg.p * g))), eps_shift=g)
+            cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
             try:
                 z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
                 break
