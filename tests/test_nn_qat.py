@@ -51,6 +51,9 @@ def test_quantizer_equals_qformat_quantize(case, dtype):
     assert torch.equal(fmt.quantize(t), ints)  # the layer's quantizer is QFormat.quantize itself
     t64 = t.double().numpy() / fmt.scale
     assert np.array_equal(inside.numpy(), (t64 >= fmt.lo) & (t64 <= fmt.hi))
+    # the layer's path: its finiteness check found max |x|, so the per-element one is skipped
+    fast, fast_inside = quantize_float(t, fmt, float(t.abs().max()))
+    assert torch.equal(fast, ints) and torch.equal(fast_inside, inside)
 
 
 def test_quantizer_rounds_ties_half_up():

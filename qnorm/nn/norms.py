@@ -193,7 +193,8 @@ class IntNorm(QATModule):
         op = self.golden(q.fmt)
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
         ints = self._element_chain(op)(q.ints)
-        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(), q, params)
+        # fresh: the surrogate ends in a clamp (_surrogate), whose backward reads only its input
+        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(), q, params, fresh=True)
         return to_output(y, op.out_fmt, self.return_quant_tensor, self.training)
 
     def _element_chain(self, op: NormOp) -> ElementChain:

@@ -74,7 +74,13 @@ def _with_value(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def exact_forward_in_graph(
-    ints: torch.Tensor, out_scale: float, surrogate: Surrogate, q: QuantizedInput, params: Sequence[torch.Tensor]
+    ints: torch.Tensor,
+    out_scale: float,
+    surrogate: Surrogate,
+    q: QuantizedInput,
+    params: Sequence[torch.Tensor],
+    *,
+    fresh: bool = False,
 ) -> torch.Tensor:
     """:func:`exact_forward`'s value and gradients, the surrogate evaluated in the forward.
 
@@ -86,7 +92,10 @@ def exact_forward_in_graph(
     The gradients are those of :func:`exact_forward` (the same surrogate at the same
     point), without a second autograd pass inside the backward; the surrogate must
     not change state, as there.  Without a gradient to compute (no_grad, or nothing
-    requiring one) only the exact value is formed.
+    requiring one) only the exact value is formed.  ``fresh``: the surrogate's output is
+    a tensor of its own whose backward does not read it (it ends in a clamp, which
+    saves only its input), so the exact values are written into it and the clone
+    (a copy and an autograd node per call) is skipped.
     """
     value = q.value
     exact = exact_float(ints, value.dtype) * float(out_scale)
@@ -95,7 +104,8 @@ def exact_forward_in_graph(
     xd = q.dequant
     if value.requires_grad:
         xd = _with_value(value * q.pass_mask if q.pass_mask is not None else value.clone(), xd)
-    return _with_value(surrogate(xd, *params).clone(), exact)
+    y = surrogate(xd, *params)
+    return _with_value(y if fresh else y.clone(), exact)
 
 
 def to_output(y: torch.Tensor, fmt: QFormat, quant_tensor: bool, training: bool) -> Output:

@@ -65,9 +65,9 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -276,6 +276,21 @@ class NormConfig(abc.ABC):
         """ε_S: ε (real units of the normalized statistic) in units of S, exactly."""
 
 
+NormConfigT = TypeVar("NormConfigT", bound=NormConfig)
+
+
+def derived_config(cfg: NormConfigT, **changes: Any) -> NormConfigT:
+    """``dataclasses.replace(cfg, **changes)`` without re-running the validation, for
+    values the derivation formed itself and that pass it by construction (each
+    caller says why).  A QAT layer derives its op every training step, and
+    re-validating a config it just built is a large part of that cost.  The copy
+    shares the other fields' values (immutable) and any property cached from them."""
+    new = object.__new__(type(cfg))
+    new.__dict__.update(cfg.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo or (hi is not None and v > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
@@ -331,23 +346,33 @@ def centered_ranges(rep: RangeReport, cfg: NormConfig, record_centered: bool = T
     return d
 
 
-@functools.lru_cache(maxsize=1024)
+def round_scaled(q: Fraction, shift: int) -> int:
+    """:func:`round_rational` of ``q · 2^shift`` (shift >= 0) in integers:
+    ``floor(n 2^s / d + 1/2) = floor((2 n 2^s + d) / (2 d))`` for q = n / d, d > 0.
+    A calibrating QAT layer forms ε_int this way every step."""
+    d = q.denominator
+    return ((q.numerator << (shift + 1)) + d) // (d << 1)
+
+
 def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
     """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
 
     The smallest g >= 0 with ε_S 2^(p g) >= 2^EPS_RESOLUTION_BITS — 0 when ε = 0 —
     lowered until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits the 63-bit
     check (< 2^62).  The op's full range analysis may lower it further
-    (``NormOp._build``).
+    (``NormOp._build``).  In integers (ε_S = n / d): the smallest k >= 0 with
+    ``n 2^k >= d 2^EPS_RESOLUTION_BITS``, then g = ceil(k / p).
     """
     if eps_s <= 0:
         return 0
-    q = Fraction(1 << EPS_RESOLUTION_BITS) / eps_s  # need 2^(p g) >= q
-    k = max(q.numerator.bit_length() - q.denominator.bit_length() + 1, 0)  # 2^k >= q
-    while k > 0 and Fraction(1 << (k - 1)) >= q:
-        k -= 1
+    n, d = eps_s.numerator, eps_s.denominator
+    need = d << EPS_RESOLUTION_BITS
+    # with a, b the bit lengths of n and need, n 2^(b−a−1) < 2^(b−1) <= need <= n 2^(b−a+1):
+    # k is b − a or one more (0 when b < a: then n > need)
+    k = max(need.bit_length() - n.bit_length(), 0)
+    k = k + 1 if n << k < need else k
     g = min(-(-k // p), 61 // p)
-    while g > 0 and (stat_hi << (p * g)) + round_rational(eps_s * (1 << (p * g))) >= 1 << 62:
+    while g > 0 and (stat_hi << (p * g)) + round_scaled(eps_s, p * g) >= 1 << 62:
         g -= 1
     return g
 
@@ -498,6 +523,12 @@ class StatBounds:
     cap: int
     outside: int | None = None
     eps: int = 0
+    # ratio_terms per segment (lo, hi): a pure function of the frozen fields and the
+    # segment, asked twice per exponent (u's bound and the product bound).  Not an
+    # init field, so replace() starts a new instance with an empty memo.
+    _ratios: dict[tuple[int, int], tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def ratio_on(self, seg: Interval) -> Fraction:
         """sup |num|^p / W over W in ``seg`` (seg.lo >= 1); see :meth:`ratio_terms`."""
@@ -516,6 +547,12 @@ class StatBounds:
         rational definition.
         """
         lo, hi = seg.lo, seg.hi
+        got = self._ratios.get((lo, hi))
+        if got is None:
+            got = self._ratios[lo, hi] = self._ratio_terms(lo, hi)
+        return got
+
+    def _ratio_terms(self, lo: int, hi: int) -> tuple[int, int]:
         num, den = 0, 1
         kn, kd = self.kappa.numerator, self.kappa.denominator
         if kn:
@@ -688,23 +725,50 @@ def _cached_row_analysis(op_cls: type[NormOp], key: tuple[Any, ...]) -> RowAnaly
         return str(err)
 
 
+# The fields that carry ε (stage 1's ε_int and its guard bits g).
+_EPS_FIELDS = frozenset({"eps", "eps_shift"})
+
+
+def raw_stat_key(cfg: NormConfig) -> tuple[Any, ...]:
+    """:func:`row_key` with ε_int and g set to 0: the key of the statistic's own ranges.
+
+    ``_statistic_ranges`` bounds S before ε is added (N, the input's integer range,
+    the op's own fields such as the RMS prefix); ε enters only in
+    :func:`add_eps_ranges`.  Computed from a config whose ε fields are 0, the
+    result cannot depend on them, so one entry serves every ε_int a calibrating
+    layer's moving input scale gives."""
+    cfg_cls = type(cfg)
+    values = (0 if f in _EPS_FIELDS else getattr(cfg, f) for f in _row_fields(cfg_cls))
+    return (cfg_cls, cfg.in_fmt.bits, cfg.in_fmt.signed, *values)
+
+
 @functools.lru_cache(maxsize=ROW_CACHE_SIZE)
-def _cached_raw_stat_hi(op_cls: type[NormOp], key: tuple[Any, ...]) -> int | str:
-    """The statistic's largest value before ε (what the guard search starts from),
-    or the refusal's message: the statistic's own ranges, checked."""
+def _cached_raw_statistic(
+    op_cls: type[NormOp], key: tuple[Any, ...]
+) -> tuple[tuple[tuple[str, Interval], ...], StatBounds] | str:
+    """The statistic's report entries (checked) and bounds before ε for
+    :func:`raw_stat_key` ``key``, or the refusal's message."""
     rep = RangeReport(op_cls.name)
-    hi = op_cls._statistic_ranges(_config_of_key(key), rep).w.hi
+    stat = op_cls._statistic_ranges(_config_of_key(key), rep)
     try:
         rep.check()
     except OverflowRiskError as err:
         return str(err)
-    return hi
+    return tuple(rep.items.items()), stat
+
+
+def raw_statistic(op_cls: type[NormOp], cfg: NormConfig) -> tuple[tuple[tuple[str, Interval], ...], StatBounds]:
+    """:func:`_cached_raw_statistic` of ``cfg``; raises :class:`OverflowRiskError` for a refused one."""
+    got = _cached_raw_statistic(op_cls, raw_stat_key(cfg))
+    if isinstance(got, str):
+        raise OverflowRiskError(got)
+    return got
 
 
 def row_cache_clear() -> None:
     """Forget every cached row analysis (tests use it to compare cold and warm)."""
     _cached_row_analysis.cache_clear()
-    _cached_raw_stat_hi.cache_clear()
+    _cached_raw_statistic.cache_clear()
 
 
 class NormOp(IntOp):
@@ -848,7 +912,8 @@ class NormOp(IntOp):
         eps_s = cfg.eps_exact(params.eps)
         g = eps_guard_bits(eps_s, cls._raw_stat_hi(cfg), cfg.p)
         while True:
-            cfg = replace(cfg, eps=round_rational(eps_s * (1 << (cfg.p * g))), eps_shift=g)
+            # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
+            cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
             try:
                 z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
                 break
@@ -856,15 +921,15 @@ class NormOp(IntOp):
                 if g == 0:
                     raise
                 g -= 1
-        return cls(replace(cfg, bias=_output_bias(params.beta, cfg, max(-z.lo, z.hi))), params)
+        bias = _output_bias(params.beta, cfg, max(-z.lo, z.hi))
+        # n Python ints; the check left is int64's range (the exact path can exceed it: refused by replace)
+        fits = -(1 << 63) <= min(bias) and max(bias) < 1 << 63
+        return cls(derived_config(cfg, bias=bias) if fits else replace(cfg, bias=bias), params)
 
     @classmethod
     def _raw_stat_hi(cls, cfg: NormConfig) -> int:
-        """S's largest value (before ε), checked against 63 bits; cached per row key."""
-        got = _cached_raw_stat_hi(cls, row_key(cfg))
-        if isinstance(got, str):
-            raise OverflowRiskError(got)
-        return got
+        """S's largest value (before ε), checked against 63 bits; cached per :func:`raw_stat_key`."""
+        return raw_statistic(cls, cfg)[1].w.hi
 
     @classmethod
     def _quantize_gain(cls, gains: np.ndarray, mult_bits: int, max_shift: int) -> tuple[tuple[int, ...], int]:
@@ -946,8 +1011,10 @@ class NormOp(IntOp):
     def _row_ranges(cls, cfg: NormConfig) -> RowAnalysis:
         """Stages 1–3, uncached: checked against 63 bits after the statistic and
         after the product, as the unsplit analysis did, and once more with z."""
+        items, raw = raw_statistic(cls, cfg)  # checked already; the same for every ε
         rep = RangeReport(cls.name)
-        stat = add_eps_ranges(rep, cls._statistic_ranges(cfg, rep), cfg)
+        rep.items.update(items)
+        stat = add_eps_ranges(rep, raw, cfg)
         rep.check()
         segs = exponent_segments(stat.w, cfg)
         rep.add("exp", Interval(min(segs), max(segs)))
@@ -1145,13 +1212,23 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
     than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
     base = z_shift_base(cfg)
     shifts = [shifts_of(e + base, j) for e in segs]
-    nr = inv * cfg.num_mult
-    mults = [(nr.rshift(jr, cfg.rounding), up) for jr, up in sorted({(jr, up) for jr, up, _ in shifts})]
-    rep.add("mult", Interval(min(m.lo << up for m, up in mults), max(m.hi << up for m, up in mults)))
+    # Plain integers (one pair per distinct (j_r, up), every derivation): a0's ends
+    # are the rounding shifts of N·r's ends (the shift is monotone).
+    lo_nr, hi_nr, mode = inv.lo * cfg.num_mult, inv.hi * cfg.num_mult, cfg.rounding
+    mults = [
+        (rshift_round(lo_nr, jr, mode), rshift_round(hi_nr, jr, mode), up)
+        for jr, up in sorted({(jr, up) for jr, up, _ in shifts})
+    ]
+    rep.add("mult", Interval(min(lo << up for lo, _, up in mults), max(hi << up for _, hi, up in mults)))
     if cfg.centered:
-        mean = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)  # Σx / N: c = round(Σx·a0/N) 2^up
-        ends = [(mean * m + Interval(-1, 1)) * (1 << up) for m, up in mults]
-        rep.add("offset", Interval(min(v.lo for v in ends), max(v.hi for v in ends)))
+        # Σx / N in [x_lo, x_hi]: c = round(Σx·a0/N) 2^up lies in (mean·a0 ± 1) 2^up, the
+        # product's ends at the corners
+        x_lo, x_hi = cfg.in_fmt.lo, cfg.in_fmt.hi
+        ends = []
+        for lo, hi, up in mults:
+            corners = (x_lo * lo, x_lo * hi, x_hi * lo, x_hi * hi)
+            ends.append(((min(corners) - 1) << up, (max(corners) + 1) << up))
+        rep.add("offset", Interval(min(v for v, _ in ends), max(v for _, v in ends)))
     rep.add("z_shift", Interval(min(k for *_, k in shifts), max(k for *_, k in shifts)))
 
 

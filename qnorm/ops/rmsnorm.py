@@ -24,6 +24,7 @@ blow up the rest of the row, and the analysis says by how much.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -55,9 +56,11 @@ class RMSNormConfig(RsqrtConfig):
             raise ValueError(f"partial must be a number in (0, 1], got {p!r}")
         super().__post_init__()
 
-    @property
+    @functools.cached_property
     def prefix(self) -> int:
-        """k = ceil(p N), exactly (from the float's binary value), at least 1."""
+        """k = ceil(p N), exactly (from the float's binary value), at least 1.  Cached:
+        the range analysis reads it (through the numerator's shift) per exponent, and
+        n and partial are frozen."""
         return math.ceil(Fraction(self.partial) * self.n)
 
     @property

@@ -105,6 +105,21 @@ def mantissa_thresholds(terms: int, mant_bits: int) -> tuple[int, ...]:
     return tuple(-(-num // (a.value * b.value)) for a, b in itertools.pairwise(cands))
 
 
+@functools.lru_cache(maxsize=256)
+def candidate_parts(terms: int, mant_bits: int, lo: int, hi: int) -> tuple[tuple[Pow2Mantissa, int, int], ...]:
+    """:meth:`ShiftLayerNorm._segments` for M in [lo, hi]: a function of these four
+    integers alone.  Cached: every exponent but the lowest and the highest has the
+    full mantissa range, so a derivation asks the same few keys over and over."""
+    _, cands = mantissa_table(terms)
+    cuts = (lo, *mantissa_thresholds(terms, mant_bits), hi + 1)
+    out = []
+    for i, cand in enumerate(cands):
+        part_lo, part_hi = max(cuts[i], lo), min(cuts[i + 1] - 1, hi)
+        if part_lo <= part_hi:
+            out.append((cand, part_lo, part_hi))
+    return tuple(out)
+
+
 def negate_mask(sign: Any) -> Any:
     """-1 where ``sign`` (-1, 0 or 1) is negative, else 0: an arithmetic shift."""
     return sign >> 1
@@ -248,17 +263,10 @@ class ShiftLayerNorm(NormOp):
         return Interval(min(vals), max(vals))
 
     @classmethod
-    def _segments(cls, cfg: NormConfig, m_iv: Interval) -> list[tuple[Pow2Mantissa, int, int]]:
+    def _segments(cls, cfg: NormConfig, m_iv: Interval) -> tuple[tuple[Pow2Mantissa, int, int], ...]:
         """Each candidate with the part [lo, hi] of M's range on which it is chosen
         (plain integers: the range analysis asks this per exponent, every derivation)."""
-        _, cands = mantissa_table(cfg.mantissa_terms)
-        cuts = (m_iv.lo, *mantissa_thresholds(cfg.mantissa_terms, cfg.mant_bits), m_iv.hi + 1)
-        out = []
-        for i, cand in enumerate(cands):
-            lo, hi = max(cuts[i], m_iv.lo), min(cuts[i + 1] - 1, m_iv.hi)
-            if lo <= hi:
-                out.append((cand, lo, hi))
-        return out
+        return candidate_parts(cfg.mantissa_terms, cfg.mant_bits, m_iv.lo, m_iv.hi)
 
     @classmethod
     def _product_bound(
