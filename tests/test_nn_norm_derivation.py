@@ -10,13 +10,15 @@ scale, bit for bit.
 """
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qnorm import nn as qnn
 from qnorm.nn.base import param_array
-from qnorm.ops._normcore import NormOp, row_cache_clear
+from qnorm.ops._normcore import NormOp, derived_config, row_cache_clear
+from qnorm.ops.rmsnorm import IntRMSNorm
 
 LAYERS = {
     "int_ln": (qnn.IntLayerNorm, {}),
@@ -71,3 +73,13 @@ def test_each_training_steps_op_is_from_floats_cold(kind, n, eps, in_bits, pow2,
         assert_same_op(layer.golden(), want)  # the op this forward used (the layer's memo)
         ints = want.forward(layer.input_quant.fmt.quantize(x.numpy()))
         assert torch.equal(y.detach(), torch.from_numpy(ints).to(y.dtype) * want.out_fmt.scale)
+
+
+def test_a_derived_config_keeps_no_cached_property_and_refuses_unknown_fields():
+    """``derived_config`` copies fields only: a property cached on the original (RMSNorm's
+    prefix k = ceil(p N)) is recomputed from the copy's own fields."""
+    cfg = IntRMSNorm.from_float(np.ones(64), None, 1e-5, partial=0.5).config
+    assert cfg.prefix == 32
+    assert derived_config(cfg, partial=0.25).prefix == 16
+    with pytest.raises(TypeError, match="no field"):
+        derived_config(cfg, prefix=3)

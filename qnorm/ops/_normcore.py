@@ -284,11 +284,22 @@ def derived_config(cfg: NormConfigT, **changes: Any) -> NormConfigT:
     values the derivation formed itself and that pass it by construction (each
     caller says why).  A QAT layer derives its op every training step, and
     re-validating a config it just built is a large part of that cost.  The copy
-    shares the other fields' values (immutable) and any property cached from them."""
+    shares the other fields' values (immutable) but no property cached on ``cfg``
+    (a ``cached_property`` may read a changed field), and refuses a name that is
+    not a field."""
+    names = _field_names(type(cfg))
+    unknown = set(changes) - names
+    if unknown:
+        raise TypeError(f"{type(cfg).__name__} has no field(s) {sorted(unknown)}")
     new = object.__new__(type(cfg))
-    new.__dict__.update(cfg.__dict__)
+    new.__dict__.update({name: cfg.__dict__[name] for name in names})
     new.__dict__.update(changes)
     return new
+
+
+@functools.cache
+def _field_names(cfg_cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cfg_cls))
 
 
 def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> None:
