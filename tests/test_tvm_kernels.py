@@ -214,6 +214,21 @@ def test_norm_kernels_on_every_row_count_around_a_row_block(cls):
         assert_bit_exact(compiled(x), op.forward(x), x)
 
 
+def test_shift_gains_are_one_multiply_on_cpus_and_a_shift_for_hls():
+    """ShiftLayerNorm's ±2^l gain: its config.gain multiplies where a multiply is one
+    instruction; the HLS kernel keeps the op's shift and conditional negate (no DSP)."""
+    from compilers.fpga.kernel_c import HLS
+
+    op = NormCase(ShiftLayerNorm, 64, kw={"mantissa_terms": 2}).op()
+
+    def args(kernel):
+        return {str(p.name) for p in kernel.mod["main"].params[1:-1]}
+
+    cpu, hls = args(kernel_for(op)), args(kernel_for(op, HLS))
+    assert "gain" in cpu and not {"log2", "neg", "keep"} & cpu
+    assert {"log2", "neg", "keep"} <= hls and "gain" not in hls
+
+
 def test_statistic_reductions_stay_narrow():
     """An int8 row of 768 sums in int32 (Σx² < 2^24), not int64."""
     mod = kernel_for(NormCase(IntLayerNorm, 768).op()).mod

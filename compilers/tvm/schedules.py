@@ -48,6 +48,10 @@ class Schedule:
     rows: Callable[[Any], AbstractContextManager[Any]]
     channels: Callable[[int, ChannelBody], None]
     scratch_scope: str = "global"
+    # ShiftLayerNorm's ±2^l gains as the op writes them, a shift and a conditional
+    # negate (fabric whose multipliers are DSP blocks: HLS), instead of one multiply
+    # by ±2^l, the same integers in a quarter of the instructions on CPUs and GPUs.
+    shift_gains: bool = False
 
 
 _scheduled: OrderedDict[tuple[Schedule, str, str], tvm.IRModule] = OrderedDict()

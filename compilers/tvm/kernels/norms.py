@@ -18,7 +18,9 @@ How :meth:`NormOp._forward`'s stages map to TIR (``rows`` symbolic, N static):
    in rows of tiny variance; the result is proven to fit, so the wrap is exact,
    and unsigned wrap-around is defined where signed overflow is not).
 4. **Affine output** (per element, lanes) — mirrors ``NormOp._output`` (the
-   clamp window) and the op's ``_scale`` with the fixedpoint calls they make;
+   clamp window) and the op's ``_scale`` with the fixedpoint calls they make
+   (ShiftLayerNorm's shift and negate as one multiply by its ±2^l gain, except
+   on schedules that keep it a shift: :func:`_mirrored_scale`);
    mirrored, not called, because they read the per-channel constants through
    ``_xp.const_like`` as whole numpy vectors, and here a channel's constant is
    one load from an argument buffer.
@@ -79,12 +81,23 @@ _SCALES: dict[Any, tuple[Callable[..., Any], Callable[[NormOp], dict[str, Any]]]
 }
 
 
+def _mirrored_scale(cls: type[NormOp], schedule: Schedule) -> Any:
+    """The ``_scale`` whose mirror the kernel uses: the op's own, except ShiftLayerNorm's
+    on schedules that multiply (``schedule.shift_gains`` False) — its gain ±2^l_c (0
+    where dropped) is ``config.gain``, and ``zc · gain`` is ``signed_term(zc << l,
+    neg, keep)`` exactly, both formed modulo 2^lanes where the analysis proves the
+    value fits."""
+    if cls._scale is ShiftLayerNorm._scale and not schedule.shift_gains:
+        return NormOp._scale
+    return cls._scale
+
+
 def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     """``main(x, *consts, out)`` for one norm instance: x (rows, N) → out (rows, N)."""
     cls = type(op)
     if cls._forward is not NormOp._forward or cls._output is not NormOp._output or cls._scale not in _SCALES:
         raise NotImplementedError(f"{cls.__name__} overrides a NormOp stage that norm_kernel does not mirror")
-    scale, scale_consts = _SCALES[cls._scale]
+    scale, scale_consts = _SCALES[_mirrored_scale(cls, schedule)]
     cfg, rep = op.config, op.ranges()
     n, dt = cfg.n, f"int{cfg.lanes}"
     udt = "u" + dt
