@@ -33,6 +33,14 @@ the stages walk in order, each bank handed from stage to stage:
   one more), one element per clock, through the element chain (``x·a − c``,
   the rounding shift, the output window, gain, bias, rounding, saturation)
   pipelined in L levels, all stalled together while the output is not taken.
+  Its per-channel constants (window ends, offset, gain, bias; ShiftLayerNorm's
+  shifts and signs) are LUT muxes for rows shorter than
+  :data:`~compilers.rtl.values.BRAM_MIN_DEPTH` and block-RAM ROMs from there on:
+  the channel is known ahead, so each ROM is addressed ROM_LATENCY levels before
+  its value is used, its read port stalls with the chain, and tables first used
+  at one level share one ROM (int8 rows of 768: five ROMs, six for
+  ShiftLayerNorm, three for RMSNorm; a ROM's output is a register, so L is
+  14 IntLayerNorm and L1, 15 ShiftLayerNorm, 12 RMSNorm).
 
 Every pipeline and schedule also registers where an estimated path would
 outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
@@ -184,7 +192,7 @@ class NormUnit(StreamUnit):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
             depth = max(accumulated_term(acc, s)[1] for s in self.graph.sums if s.term.pass_ == p)
             passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
-        elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
+        elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal(), roms=[])
         return passes, d, self.y.staged(elem)[1]
 
     def elaborate(self, platform: object) -> Module:
@@ -320,8 +328,9 @@ class NormUnit(StreamUnit):
         advance = ~self.out_valid | self.out_ready
         step = active[o] & advance
         x, here, bank, going = buffer_read(o, step, advance)
-        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance)
+        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance, roms=[])
         y, level = self.y.staged(ctx)
+        ctx.build_roms()
         if level != self.element_depth:
             raise RuntimeError(f"{self.op.name}: the element chain's depth differs from its trial elaboration")
         valid = ctx.delay(going, 0, level)
