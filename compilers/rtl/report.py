@@ -293,7 +293,11 @@ def select_units(units: Sequence[ReportUnit], patterns: Sequence[str]) -> list[R
     for pattern in patterns:
         if not fnmatch.filter(names, pattern):
             raise UsageError(f"--unit {pattern!r} matches no unit of the report; its units: {', '.join(names)}")
-    return [unit for unit in units if any(fnmatch.fnmatchcase(unit.name, p) for p in patterns)]
+    chosen = [unit for unit in units if any(fnmatch.fnmatchcase(unit.name, p) for p in patterns)]
+    for unit in units:
+        if unit not in chosen:  # built, never elaborated: not the mistake Amaranth warns of
+            unit.elaboratable._MustUse__silence = True  # type: ignore[attr-defined]
+    return chosen
 
 
 def write_report(

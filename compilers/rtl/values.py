@@ -739,22 +739,45 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
 
 
 def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
-    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port (the
-    other fitting one) is split into limbs whose products are registered before
-    they are added, so each multiplier is one DSP block with a register after it."""
+    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port is split
+    into limbs whose products are registered before they are added, so each
+    multiplier is one DSP block with a register after it: two products when the
+    other operand fits a port, four when both are wider (:func:`_wide_product`)."""
     a, b = signed_value(va), signed_value(vb)
     if len(a) > len(b):
         a, b = b, a
     constant = isinstance(va, Const) or isinstance(vb, Const)  # shifts and adds: no DSP port to fit
-    if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
+    if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS:
         return a * b
-    low = Cat(b[:DSP_LIMB], Const(0, 1)).as_signed()  # unsigned low limb
-    high = b[DSP_LIMB:].as_signed()  # the signed rest: b = high·2^limb + low
+    if len(a) > DSP_BITS:
+        return _wide_product(ctx, a, b)
+    low, high = _limbs(b)
     if ctx.sequential:
         p_low, p_high = ctx.hold(a * low, "p_lo", ctx.level), ctx.hold(a * high, "p_hi", ctx.level)
     else:
         p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
     return (p_high << DSP_LIMB) + p_low, 1
+
+
+def _limbs(v: Value) -> tuple[Value, Value]:
+    """``v`` as (its unsigned low DSP_LIMB bits, the signed rest): v = high·2^limb + low."""
+    return Cat(v[:DSP_LIMB], Const(0, 1)).as_signed(), v[DSP_LIMB:].as_signed()
+
+
+def _wide_product(ctx: Ctx, a: Value, b: Value) -> tuple[Value, int]:
+    """``a · b`` with both operands wider than a DSP port (a 768-wide row's Σx times
+    its multiplier): the four limb products, each registered (one DSP block each
+    while the high limbs fit a port: operands of up to 35 bits), then one add of
+    the two middle products and one of their sum to the outer two, which do not
+    overlap (the low product is below 2^(2·limb)) and so are placed side by side."""
+    (a_lo, a_hi), (b_lo, b_hi) = _limbs(a), _limbs(b)
+    parts = {"p_ll": a_lo * b_lo, "p_lh": a_lo * b_hi, "p_hl": a_hi * b_lo, "p_hh": a_hi * b_hi}
+    if ctx.sequential:
+        held = {name: ctx.hold(p, name, ctx.level) for name, p in parts.items()}
+    else:
+        held = {name: ctx.register(p, name) for name, p in parts.items()}
+    outer = Cat(held["p_ll"][: 2 * DSP_LIMB], held["p_hh"]).as_signed()
+    return outer + ((held["p_lh"] + held["p_hl"]) << DSP_LIMB), 1
 
 
 def element_products(roots: list[Hdl]) -> list[Hdl]:
