@@ -218,14 +218,30 @@ class NormUnit(StreamUnit):
             with m.Else():
                 m.d.sync += ptr[s].eq(ptr[s] + 1)
 
+        # a stage's row-buffer address ptr·N + chan: for N a power of two the bits of
+        # ptr above chan's; else a multiply and an add in front of the RAM's address
+        # (the 768-wide units' critical path), so the stage counts the address itself
+        counted: dict[int, Signal] = {}
+
+        def address(s: int) -> Value:
+            if n & (n - 1) == 0:
+                return ptr[s] * n + chan[s]
+            counted[s] = Signal(range(banks * n), name=f"addr{s}")
+            return counted[s]
+
         def count(s: int, step: Value, to: int | None = None) -> None:
-            """Count the stage's elements; the last one hands the bank on."""
+            """Count the stage's elements (and its address); the last one hands the bank on."""
             with m.If(step):
                 with m.If(chan[s] == n - 1):
                     m.d.sync += chan[s].eq(0)
                     hand_on(s, to)
                 with m.Else():
                     m.d.sync += chan[s].eq(chan[s] + 1)
+                if s in counted:
+                    with m.If(counted[s] == banks * n - 1):
+                        m.d.sync += counted[s].eq(0)
+                    with m.Else():
+                        m.d.sync += counted[s].eq(counted[s] + 1)
 
         m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
         wr = buf.write_port()
@@ -242,7 +258,7 @@ class NormUnit(StreamUnit):
             is slow), with its channel, bank and step delayed alike: (x, channel,
             bank, step), advancing with ``enable`` (None: every clock)."""
             rd = buf.read_port(domain="sync")
-            m.d.comb += rd.addr.eq(ptr[s] * n + chan[s])
+            m.d.comb += rd.addr.eq(address(s))
             if enable is not None:
                 m.d.comb += rd.en.eq(enable)
             out = [later(rd.data, enable), chan[s], ptr[s], step]
@@ -264,7 +280,7 @@ class NormUnit(StreamUnit):
                 x: Value = self.in_data
                 step = self.in_valid & self.in_ready
                 m.d.comb += self.in_ready.eq(active[0])
-                m.d.comb += [wr.addr.eq(ptr[0] * n + chan[0]), wr.data.eq(self.in_data), wr.en.eq(step)]
+                m.d.comb += [wr.addr.eq(address(0)), wr.data.eq(self.in_data), wr.en.eq(step)]
                 here, bank, going = chan[0], ptr[0], step
                 late = self.pass_depths[p]
             else:
