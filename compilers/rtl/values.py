@@ -40,9 +40,11 @@ pipeline that collects ROMs (``Ctx.roms``, the norms' output chain) is a
 synchronous ROM (:class:`amaranth.lib.memory.Memory`): its address is the
 channel :data:`ROM_LATENCY` levels early, the memory's own read register holds
 the data, and one fabric register more takes it, so the value the chain reads is
-a plain register (a block RAM's clock-to-out alone fills most of a clock).  The
-tables read at one level share one memory, their fields side by side, and the
-read port advances with the pipeline's ``enable`` like every register of it.
+a plain register (a block RAM's clock-to-out alone fills most of a clock).  Each
+table is read once, at the first level that uses it (later readers take it through
+delay registers); the tables first read at one level share one memory, their
+fields side by side, and the read port advances with the pipeline's ``enable``
+like every register of it.
 
 Timing.  In a pipeline or a schedule each operation has an estimated logic
 depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
@@ -671,8 +673,8 @@ class Table(Hdl):
         lo, hi = min(vals), max(vals)
         if lo == hi:
             return const(lo)
-        rom = Array(Const(v, self.shape_of()) for v in vals)
-        return rom[channel]
+        shape = self.shape_of()
+        return Array(Const(v, shape) for v in vals)[channel]
 
     def in_block_ram(self, ctx: Ctx, level: int) -> bool:
         """Whether a read at ``level`` is a block-RAM ROM's (module docstring): a deep
