@@ -12,7 +12,9 @@ Architecture: a ring of ``B`` row banks (row buffer + per-row registers) that
 the stages walk in order, each bank handed from stage to stage:
 
 * pass 0 — accepts the row's N elements (one per clock), writes them to the
-  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …);
+  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …); a stage's
+  buffer address is bank·N + element: wiring for N a power of two, else a
+  counter of its own (no multiply in front of the RAM);
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
   need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
   each pass's terms are pipelined, so its sums land S_p clocks after its last
