@@ -308,7 +308,9 @@ def _synth(args: argparse.Namespace) -> int:
     from compilers.rtl.report import write_report  # a missing amaranth: main names the extra
     from qnorm.verify.cases import case_named
 
-    for path in write_report(args.out, case_named, quick=args.quick, progress=_note):
+    paths = write_report(args.out, case_named, quick=args.quick, progress=_note, patterns=args.unit,
+                         families=args.family)
+    for path in paths:
         print(f"wrote {path}")
     return 0
 
@@ -324,6 +326,14 @@ def _add_synth_parser(sub: Any) -> None:
         help="the markdown table to write; the PNG goes beside it (default: out/fpga.md)",
     )  # fmt: skip
     synth.add_argument("--quick", action="store_true", help="rows of 64 only, and no xcup (the slowest flow)")
+    synth.add_argument(
+        "--unit", action="append", default=[], metavar="PATTERN",
+        help="only the units whose name matches this shell pattern, e.g. '*.int8.n768*' (repeatable)",
+    )  # fmt: skip
+    synth.add_argument(
+        "--family", action="append", default=[], metavar="FAMILY",
+        help="only this FPGA family: xc7, xcup, ecp5 or ice40 (repeatable; default: all, or --quick's)",
+    )  # fmt: skip
     synth.set_defaults(func=_synth)
 
 

@@ -6,13 +6,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from amaranth.hdl import Const, Module, Signal, signed
+from amaranth.sim import Simulator
 
 pytest.importorskip("amaranth")
 
-from compilers.rtl import rtl_unit
+from compilers.rtl import rtl_unit, values
 from compilers.rtl.norm import READ_LATENCY
 from compilers.rtl.sim import simulate
 from compilers.rtl.stream import stream_order
+from compilers.rtl.synth import to_rtlil
+from compilers.rtl.values import DSP_BITS, Ctx
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.qformat import QFormat
 from qnorm.verify.cases import case_named
@@ -90,6 +94,68 @@ def test_norm_unit_holds_its_output_under_back_pressure() -> None:
     op = case.build()
     x = random_inputs(case, np.random.default_rng(11), 3)
     assert np.array_equal(run_unit(op, x, out_stall_every=3), op.forward(x))
+
+
+def rom_memories(unit) -> list[str]:
+    """The unit's memories other than its row buffer, as RTLIL declares them."""
+    text = to_rtlil(unit.elaboratable, unit.ports)
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("memory ") and "buf" not in line]
+
+
+def test_tables_from_bram_min_depth_channels_are_block_ram_roms() -> None:
+    """A 256-wide IntLayerNorm's five per-channel tables (window ends, offset, gain,
+    bias) are synchronous ROMs of 256 words; one channel fewer, LUT muxes."""
+    n = values.BRAM_MIN_DEPTH
+    deep = rtl_unit(IntLayerNorm.from_float(np.linspace(0.5, 1.5, n), np.linspace(-0.2, 0.2, n)))
+    roms = rom_memories(deep)
+    assert len(roms) == 5 and all(f"size {n} " in rom for rom in roms)
+    assert rom_memories(rtl_unit(IntLayerNorm.from_float(np.linspace(0.5, 1.5, n - 1)))) == []
+
+
+@pytest.mark.parametrize("name", [c for c in FAMILY_CASES if c.split(".")[0] in {f.name for f in NORMS}])
+def test_block_ram_tables_stay_bit_exact_under_random_back_pressure(name: str, monkeypatch) -> None:
+    """With every table a block-RAM ROM, out_ready dropped at random: the ROMs' read
+    ports stall with the rest of the chain, so each output keeps its channel's constants."""
+    monkeypatch.setattr(values, "BRAM_MIN_DEPTH", 2)
+    case = case_named(name)
+    op = case.build()
+    x = random_inputs(case, np.random.default_rng(13), 3)
+    stream, first, restore = stream_order(op, x)
+    unit = rtl_unit(op)
+    assert rom_memories(unit)
+    ready = np.random.default_rng(17).random(997) < 0.6
+    assert np.array_equal(restore(simulate(unit, stream, first, out_ready=ready).out), op.forward(x))
+
+
+@pytest.mark.parametrize("widths", [(19, 28), (DSP_BITS + 1, DSP_BITS + 1), (35, 35)])
+def test_a_product_of_two_operands_wider_than_a_dsp_port_is_exact(widths: tuple[int, int]) -> None:
+    """Both operands wider than a DSP port (a 768-wide row's Σx times its multiplier):
+    four registered limb products, added a level later, give a·b at the extremes too."""
+    m = Module()
+    a, b = Signal(signed(widths[0]), name="a"), Signal(signed(widths[1]), name="b")
+    product, level = values._product(Ctx(m, a, Const(0), pipelined=True), a, b)
+    out = Signal(signed(sum(widths)), name="out")
+    m.d.comb += out.eq(product)
+    assert level == 1
+    ends = [[-(1 << (w - 1)), -1, 0, 1, (1 << (w - 1)) - 1, (1 << 17) - 1, -(1 << 17)] for w in widths]
+    rng = np.random.default_rng(23)
+    pairs = [(x, y) for x in ends[0] for y in ends[1]]
+    pairs += [(int(rng.integers(-(1 << (widths[0] - 1)), 1 << (widths[0] - 1))),
+               int(rng.integers(-(1 << (widths[1] - 1)), 1 << (widths[1] - 1)))) for _ in range(40)]
+    got: list[int] = []
+
+    async def bench(ctx) -> None:
+        for x, y in pairs:
+            ctx.set(a, x)
+            ctx.set(b, y)
+            await ctx.tick()
+            got.append(ctx.get(out))
+
+    sim = Simulator(m)
+    sim.add_clock(1e-8)
+    sim.add_testbench(bench)
+    sim.run()
+    assert got == [x * y for x, y in pairs]
 
 
 def test_neuron_stream_order_round_trips() -> None:

@@ -27,6 +27,7 @@ from compilers.rtl.stream import fmt_shape
 from compilers.rtl.synth import FAMILIES, SynthError, synthesize
 from compilers.rtl.values import Ctx
 from qnorm.cli import main
+from qnorm.errors import UsageError
 from qnorm.verify.cases import case_named
 
 UINT = {np.float16: np.uint16, np.float32: np.uint32}
@@ -88,6 +89,15 @@ def test_a_failing_synthesis_names_yosys_the_family_and_its_log(fresh_cache, mon
     broken = dataclasses.replace(FAMILIES["ecp5"], name="ecp5", synth="synth_nosuchfamily -top top")
     monkeypatch.setitem(FAMILIES, "ecp5", broken)
     with pytest.raises(SynthError, match=r"(?s)yosys \(ecp5\) failed.*synth_nosuchfamily"):
+        synthesize(SquareSum(), "square_sum", "ecp5")
+    assert not list((fresh_cache / "synth").glob("[!.]*"))  # nothing published
+
+
+@pytest.mark.parametrize(("limit", "tool"), [("YOSYS_TIMEOUT_S", "yosys"), ("PNR_TIMEOUT_S", "nextpnr-ecp5")])
+def test_a_tool_that_times_out_is_an_error_and_never_cached(fresh_cache, monkeypatch, limit: str, tool: str) -> None:
+    """A timeout says nothing about the unit: the next run must try again, not read it back."""
+    monkeypatch.setattr(synth, limit, 0.001)
+    with pytest.raises(SynthError, match=rf"{tool} \(ecp5\) did not finish in 0 s"):
         synthesize(SquareSum(), "square_sum", "ecp5")
     assert not list((fresh_cache / "synth").glob("[!.]*"))  # nothing published
 
@@ -322,14 +332,20 @@ def test_without_an_l1_l2_pair_the_report_says_there_is_no_ratio() -> None:
 
 
 def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkeypatch) -> None:
+    """Of the units and families, only those --unit and --family name are synthesized."""
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(report, "QUICK_FAMILIES", ("ecp5",))
-    monkeypatch.setattr(report, "op_units", lambda quick, case_named: [_report_unit("square_sum", 8)])
+    units = [_report_unit("square_sum", 8), _report_unit("square_sum", 768), _report_unit("other", 8)]
+    monkeypatch.setattr(report, "op_units", lambda quick, case_named: units)
     monkeypatch.setattr(report, "fp16_units", lambda lengths: [])
     out = tmp_path / "fpga" / "table.md"
-    assert main(["synth", "--quick", "--out", str(out)]) == 0
+    assert main(["synth", "--quick", "--unit", "*.n8", "--unit", "nothing*", "--family", "ecp5", "--out", str(out)]) == 2
+    assert not out.exists()  # a pattern that matches no unit refuses the whole run
+    assert main(["synth", "--quick", "--unit", "square*.n8", "--family", "ecp5", "--out", str(out)]) == 0
     text = out.read_text()
     assert re.search(r"\| square_sum\.int8\.n8 \| ecp5 \| [1-9]\d* \| \d+ \| 1 \| 0 \| \d+\.\d \| 12 \|", text)
+    assert [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| square") or line.startswith("| other")] == [
+        ["| square_sum.int8.n8", "ecp5"]
+    ]
     assert "nextpnr-ecp5: nextpnr-0." in text
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -337,6 +353,15 @@ def test_qnorm_synth_writes_the_table_and_the_plot(fresh_cache, tmp_path, monkey
 def test_qnorm_synth_refuses_a_directory_as_its_output(tmp_path, capsys) -> None:
     assert main(["synth", "--out", str(tmp_path)]) == 2
     assert "is a directory, not a file" in capsys.readouterr().err
+
+
+def test_qnorm_synth_names_an_unmatched_unit_pattern_and_an_unknown_family(tmp_path, capsys) -> None:
+    units = [_report_unit("square_sum", 8), _report_unit("other", 8)]
+    with pytest.raises(UsageError, match=r"--unit 'n768\*' matches no unit of the report; its units: square_sum"):
+        report.select_units(units, ["*.n8", "n768*"])
+    assert report.select_units(units, ["other.*"]) == [units[1]] and report.select_units(units, []) == units
+    assert main(["synth", "--family", "xc9", "--out", str(tmp_path / "t.md")]) == 2
+    assert "unknown FPGA family xc9; known: xc7, xcup, ecp5, ice40" in capsys.readouterr().err
 
 
 def test_every_report_unit_converts_to_rtlil():

@@ -12,7 +12,9 @@ Architecture: a ring of ``B`` row banks (row buffer + per-row registers) that
 the stages walk in order, each bank handed from stage to stage:
 
 * pass 0 — accepts the row's N elements (one per clock), writes them to the
-  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …);
+  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …); a stage's
+  buffer address is bank·N + element: wiring for N a power of two, else a
+  counter of its own (no multiply in front of the RAM);
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
   need an earlier one (L1's Σ|N·x − Σx|: P = 2; the other norms P = 1);
   each pass's terms are pipelined, so its sums land S_p clocks after its last
@@ -33,6 +35,14 @@ the stages walk in order, each bank handed from stage to stage:
   one more), one element per clock, through the element chain (``x·a − c``,
   the rounding shift, the output window, gain, bias, rounding, saturation)
   pipelined in L levels, all stalled together while the output is not taken.
+  Its per-channel constants (window ends, offset, gain, bias; ShiftLayerNorm's
+  shifts and signs) are LUT muxes for rows shorter than
+  :data:`~compilers.rtl.values.BRAM_MIN_DEPTH` and block-RAM ROMs from there on:
+  the channel is known ahead, so each ROM is addressed ROM_LATENCY levels before
+  its value is used, its read port stalls with the chain, and tables first used
+  at one level share one ROM (int8 rows of 768: five ROMs, six for
+  ShiftLayerNorm, three for RMSNorm; a ROM's output is a register, so L is
+  14 IntLayerNorm and L1, 15 ShiftLayerNorm, 12 RMSNorm).
 
 Every pipeline and schedule also registers where an estimated path would
 outgrow a clock (:data:`~compilers.rtl.values.DEPTH_BUDGET`), and splits a
@@ -198,7 +208,7 @@ class NormUnit(StreamUnit):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
             depth = max(accumulated_term(acc, s)[1] for s in self.graph.sums if s.term.pass_ == p)
             passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
-        elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal())
+        elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal(), roms=[])
         return passes, d, self.y.staged(elem)[1]
 
     def elaborate(self, platform: object) -> Module:
@@ -224,14 +234,30 @@ class NormUnit(StreamUnit):
             with m.Else():
                 m.d.sync += ptr[s].eq(ptr[s] + 1)
 
+        # a stage's row-buffer address ptr·N + chan: for N a power of two the bits of
+        # ptr above chan's; else a multiply and an add in front of the RAM's address
+        # (the 768-wide units' critical path), so the stage counts the address itself
+        counted: dict[int, Signal] = {}
+
+        def address(s: int) -> Value:
+            if n & (n - 1) == 0:
+                return ptr[s] * n + chan[s]
+            counted[s] = Signal(range(banks * n), name=f"addr{s}")
+            return counted[s]
+
         def count(s: int, step: Value, to: int | None = None) -> None:
-            """Count the stage's elements; the last one hands the bank on."""
+            """Count the stage's elements (and its address); the last one hands the bank on."""
             with m.If(step):
                 with m.If(chan[s] == n - 1):
                     m.d.sync += chan[s].eq(0)
                     hand_on(s, to)
                 with m.Else():
                     m.d.sync += chan[s].eq(chan[s] + 1)
+                if s in counted:
+                    with m.If(counted[s] == banks * n - 1):
+                        m.d.sync += counted[s].eq(0)
+                    with m.Else():
+                        m.d.sync += counted[s].eq(counted[s] + 1)
 
         m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
         wr = buf.write_port()
@@ -248,7 +274,7 @@ class NormUnit(StreamUnit):
             is slow), with its channel, bank and step delayed alike: (x, channel,
             bank, step), advancing with ``enable`` (None: every clock)."""
             rd = buf.read_port(domain="sync")
-            m.d.comb += rd.addr.eq(ptr[s] * n + chan[s])
+            m.d.comb += rd.addr.eq(address(s))
             if enable is not None:
                 m.d.comb += rd.en.eq(enable)
             out = [later(rd.data, enable), chan[s], ptr[s], step]
@@ -270,7 +296,7 @@ class NormUnit(StreamUnit):
                 x: Value = self.in_data
                 step = self.in_valid & self.in_ready
                 m.d.comb += self.in_ready.eq(active[0])
-                m.d.comb += [wr.addr.eq(ptr[0] * n + chan[0]), wr.data.eq(self.in_data), wr.en.eq(step)]
+                m.d.comb += [wr.addr.eq(address(0)), wr.data.eq(self.in_data), wr.en.eq(step)]
                 here, bank, going = chan[0], ptr[0], step
                 late = self.pass_depths[p]
             else:
@@ -335,8 +361,9 @@ class NormUnit(StreamUnit):
         advance = ~self.out_valid | self.out_ready
         step = active[o] & advance
         x, here, bank, going = buffer_read(o, step, advance)
-        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance)
+        ctx = Ctx(m, x, here, bank, rows, pipelined=True, enable=advance, roms=[])
         y, level = self.y.staged(ctx)
+        ctx.build_roms()
         if level != self.element_depth:
             raise RuntimeError(f"{self.op.name}: the element chain's depth differs from its trial elaboration")
         valid = ctx.delay(going, 0, level)

@@ -13,6 +13,7 @@ LUT, FF, DSP on xc7 and ecp5) and the versions of the tools that produced it.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from compilers.rtl.synth import (
     to_rtlil,
 )
 from compilers.rtl.unit import rtl_unit
+from qnorm.errors import UsageError
 
 # The integer ops' configurations, as verify cases; "@768" is the case with rows of 768
 # (every 768-wide unit is spelled so, which is how --quick leaves them all out).
@@ -283,17 +285,40 @@ def report_paths(out: Path) -> list[Path]:
     return [out, out.with_suffix(".png")]
 
 
+def select_units(units: Sequence[ReportUnit], patterns: Sequence[str]) -> list[ReportUnit]:
+    """The units whose name matches one of the shell-style ``patterns`` (none: all);
+    a pattern that matches no unit is refused with the names there are."""
+    if not patterns:
+        return list(units)
+    names = [unit.name for unit in units]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise UsageError(f"--unit {pattern!r} matches no unit of the report; its units: {', '.join(names)}")
+    chosen = [unit for unit in units if any(fnmatch.fnmatchcase(unit.name, p) for p in patterns)]
+    for unit in units:
+        if unit not in chosen:  # built, never elaborated: not the mistake Amaranth warns of
+            unit.elaboratable._MustUse__silence = True  # type: ignore[attr-defined]
+    return chosen
+
+
 def write_report(
     out: Path,
     case_named: Callable[[str], Any],
     quick: bool = False,
     progress: Callable[[str], None] = lambda line: None,
+    patterns: Sequence[str] = (),
+    families: Sequence[str] = (),
 ) -> list[Path]:
     """Synthesize every unit (``quick``: rows of 64, no xcup) and write ``out`` (markdown)
-    and the PNG beside it; returns the paths written.  ``case_named``: see :func:`op_units`."""
-    families = QUICK_FAMILIES if quick else tuple(FAMILIES)
+    and the PNG beside it; returns the paths written.  ``case_named``: see :func:`op_units`.
+    ``patterns``: only the units whose name matches one (:func:`select_units`);
+    ``families``: only these (default: all, or the quick ones)."""
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise UsageError(f"unknown FPGA family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    families = tuple(families) or (QUICK_FAMILIES if quick else tuple(FAMILIES))
     units = [*op_units(quick, case_named), *fp16_units(QUICK_ROW_LENGTHS if quick else ROW_LENGTHS)]
-    results = synthesize_all(units, families, progress)
+    results = synthesize_all(select_units(units, patterns), families, progress)
     table, png = report_paths(out)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text(markdown(results, families))

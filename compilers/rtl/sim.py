@@ -29,12 +29,13 @@ class SimResult:
 
 
 def simulate(unit: RtlUnit, stream: np.ndarray, first: np.ndarray | None = None,
-             out_stall_every: int = 0) -> SimResult:
+             out_stall_every: int = 0, out_ready: np.ndarray | None = None) -> SimResult:
     """Feed ``stream`` (1-D, in the unit's stream order) and read as many outputs.
 
     ``first``: per element, the start-of-sample flag (neuron units).
     ``out_stall_every``: drop ``out_ready`` every k-th cycle (0: never) to
-    exercise back-pressure.
+    exercise back-pressure; ``out_ready``: the level of ``out_ready`` per cycle,
+    repeated when the run is longer (random back-pressure).
     """
     dut = unit.elaboratable
     values = [int(v) for v in np.asarray(stream).reshape(-1)]
@@ -51,6 +52,8 @@ def simulate(unit: RtlUnit, stream: np.ndarray, first: np.ndarray | None = None,
             if cycle > limit:
                 raise RuntimeError(f"{unit.name}: {len(outs)} of {len(values)} outputs after {cycle} cycles")
             ready = not (out_stall_every and cycle % out_stall_every == out_stall_every - 1)
+            if out_ready is not None:
+                ready = ready and bool(out_ready[cycle % len(out_ready)])
             ctx.set(dut.out_ready, ready)  # type: ignore[attr-defined]
             if sent < len(values):
                 ctx.set(dut.in_valid, 1)  # type: ignore[attr-defined]

@@ -35,6 +35,17 @@ leaf (the element itself) is already a port or register and is not registered
 again; a per-channel table is read where it is used, at the channel index
 delayed that far.
 
+Block RAM.  A table of at least :data:`BRAM_MIN_DEPTH` channels read in a
+pipeline that collects ROMs (``Ctx.roms``, the norms' output chain) is a
+synchronous ROM (:class:`amaranth.lib.memory.Memory`): its address is the
+channel :data:`ROM_LATENCY` levels early, the memory's own read register holds
+the data, and one fabric register more takes it, so the value the chain reads is
+a plain register (a block RAM's clock-to-out alone fills most of a clock).  Each
+table is read once, at the first level that uses it (later readers take it through
+delay registers); the tables first read at one level share one memory, their
+fields side by side, and the read port advances with the pipeline's ``enable``
+like every register of it.
+
 Timing.  In a pipeline or a schedule each operation has an estimated logic
 depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
 would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
@@ -76,7 +87,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, Value, signed, unsigned
+from amaranth.lib.memory import Memory
 
 from qnorm.analysis import Interval
 from qnorm.fixedpoint import bits_for, isqrt_digits
@@ -89,6 +101,16 @@ SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
 LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
 DSP_BITS, DSP_LIMB = 18, 17  # a DSP block's signed multiplier port, and the unsigned limb of a wider operand
 DEPTH_BUDGET = 5
+# A table this deep or deeper is a block-RAM ROM where the pipeline collects them.
+# As a LUT mux a table costs about depth/16 LUT4 per bit plus its tree (a 768-deep
+# table ~60 LUT4 per bit: the 768-wide norms' constants alone crowd an LFE5U-25F out
+# of routing), while one ECP5 DP16KD holds 18 bits of up to 1024 entries (9 of 2048).
+# At 64 entries a bit is 4 LUT4 (or one RAM64M bit on xc7): a whole block RAM of the
+# few a small part has would buy nothing there.  Measured on the int8 IntLayerNorm of
+# rows of 64 with its tables as ROMs: xc7 1890 LUT / 1804 FF (1898 / 1796 as muxes),
+# and nextpnr-ecp5 did not route it within 15 minutes (as muxes: 118.5 MHz).
+BRAM_MIN_DEPTH = 256
+ROM_LATENCY = 2  # a block-RAM ROM's address to its value in a fabric register
 
 
 def signed_value(v: Value) -> Value:
@@ -137,6 +159,9 @@ class Ctx:
     depths: dict[int, int] = field(default_factory=dict)  # logic levels since a register, per Hdl
     delays: dict[tuple[int, int], Any] = field(default_factory=dict)
     keep: list[Value] = field(default_factory=list)  # keys are ids: their values must stay alive
+    # the deep tables' block-RAM reads (module docstring): (table, level, wire); None: every
+    # table is a LUT mux.  The unit calls :meth:`build_roms` once the chain is staged.
+    roms: list[tuple[Table, int, Signal]] | None = None
 
     def register(self, v: Value, name: str) -> Value:
         """A register of ``v``: call it outside any ``m.If`` (it would advance only there)."""
@@ -183,6 +208,50 @@ class Ctx:
         with self.m.If(self.at(level)):
             self.m.d.sync += reg.eq(v)
         return reg
+
+    def rom_read(self, table: Table, level: int) -> Signal:
+        """``table``'s value at the channel, valid at ``level`` (>= ROM_LATENCY) from a
+        block-RAM ROM: a wire that :meth:`build_roms` drives."""
+        assert self.roms is not None, "a context without block-RAM ROMs reads tables as muxes"
+        data = Signal(table.shape_of(), name="rom")
+        self.roms.append((table, level, data))
+        return data
+
+    def build_roms(self) -> None:
+        """The ROMs of the reads :meth:`rom_read` collected: each table is read once, at
+        the first level that uses it (later readers take it through delay registers),
+        and the tables first read at one level share one synchronous ROM, side by side.
+        Its address is the channel ROM_LATENCY levels early; its read register and
+        one fabric register more advance with ``enable``."""
+        assert self.roms is not None, "a context without block-RAM ROMs has none to build"
+        first: dict[int, tuple[Table, int]] = {}
+        for table, level, _ in self.roms:
+            if id(table) not in first or level < first[id(table)][1]:
+                first[id(table)] = (table, level)
+        by_level: dict[int, list[Table]] = {}
+        for table, level in first.values():
+            by_level.setdefault(level, []).append(table)
+        fields: dict[int, Signal] = {}
+        for level, tables in sorted(by_level.items()):
+            widths = [t.shape_of().width for t in tables]
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            words = [
+                sum((int(t.values[c]) & ((1 << w) - 1)) << off for t, w, off in zip(tables, widths, offsets, strict=True))
+                for c in range(len(tables[0].values))
+            ]
+            rom = Memory(shape=unsigned(sum(widths)), depth=len(words), init=words)
+            self.m.submodules += rom
+            port = rom.read_port(domain="sync")
+            self.m.d.comb += port.addr.eq(self.delay(self.channel, 0, level - ROM_LATENCY))
+            if self.enable is not None:
+                self.m.d.comb += port.en.eq(self.enable)
+            out = self.register(port.data, "rom_out")
+            for t, w, off in zip(tables, widths, offsets, strict=True):
+                fields[id(t)] = Signal(t.shape_of(), name="rom_field")
+                self.m.d.comb += fields[id(t)].eq(out[off:off + w])
+        for table, level, data in self.roms:
+            self.m.d.comb += data.eq(self.delay(fields[id(table)], first[id(table)][1], level))
+        self.roms.clear()
 
     def delay(self, v: Value, level: int, to: int) -> Value:
         """``v`` (valid at ``level``) as of level ``to`` >= level: a register chain, shared
@@ -343,7 +412,7 @@ class Hdl:
             parts = [(Const(0), 0) if t else d.staged(ctx) for d, t in zip(self.deps, late, strict=True)]
             level = max((lv for _, lv in parts), default=0)
             timed = ctx.pipelined or ctx.sequential
-            depth = max((d.cost if t else ctx.depth_of(d, lv, level)
+            depth = max((d.read_depth(ctx, level) if t else ctx.depth_of(d, lv, level)  # type: ignore[attr-defined]
                          for d, t, (_, lv) in zip(self.deps, late, parts, strict=True)), default=0)
             rom_register = False  # the tables read a level earlier, through a register
             if timed and depth and depth + self.cost > DEPTH_BUDGET:  # cut the deep operands' paths
@@ -667,6 +736,10 @@ class Table(Hdl):
         if values.size:
             self.known = Interval(int(values.min()), int(values.max()))
 
+    def shape_of(self) -> Any:
+        """The values' exact signed shape."""
+        return signed(bits_for(int(self.values.min()), int(self.values.max())))
+
     def _read(self, ctx: Ctx, channel: Value) -> Value:
         if self.values.ndim > 1 and self.values.shape != self.graph.shape:
             raise TypeError(f"a table of shape {self.values.shape} is read per level: index it [..., j]")
@@ -674,13 +747,30 @@ class Table(Hdl):
         lo, hi = min(vals), max(vals)
         if lo == hi:
             return const(lo)
-        shape = signed(bits_for(lo, hi))
-        rom = Array(Const(v, shape) for v in vals)
-        return rom[channel]
+        shape = self.shape_of()
+        return Array(Const(v, shape) for v in vals)[channel]
+
+    def in_block_ram(self, ctx: Ctx, level: int) -> bool:
+        """Whether a read at ``level`` is a block-RAM ROM's (module docstring): a deep
+        table of more than one value, in a context that collects ROMs, read late
+        enough for its address to be issued ROM_LATENCY levels early."""
+        return (ctx.roms is not None and self.values.ndim == 1 and len(self.values) >= BRAM_MIN_DEPTH
+                and level >= ROM_LATENCY and self.values.min() != self.values.max())
+
+    def read_depth(self, ctx: Ctx, level: int) -> int:
+        """The logic levels a read at ``level`` adds to its reader's path: none from a
+        block-RAM ROM's output register, else the mux's."""
+        return 0 if self.in_block_ram(ctx, level) else self.cost
 
     def read_at(self, ctx: Ctx, level: int, registered: bool = False) -> Value:
-        """The table read at pipeline level ``level``: at the element's channel delayed as
-        far, or (``registered``) one level earlier through a register (level >= 1)."""
+        """The table read at pipeline level ``level``: from a block-RAM ROM where
+        :meth:`in_block_ram` (always registered); else at the element's channel delayed
+        as far, or (``registered``) one level earlier through a register (level >= 1)."""
+        if self.in_block_ram(ctx, level):
+            key: tuple = ("rom", id(self), level)
+            if key not in ctx.delays:
+                ctx.delays[key] = ctx.rom_read(self, level)
+            return ctx.delays[key]
         key = ("table", id(self), level, registered)
         if key not in ctx.delays:
             if registered:
@@ -756,22 +846,45 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
 
 
 def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
-    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port (the
-    other fitting one) is split into limbs whose products are registered before
-    they are added, so each multiplier is one DSP block with a register after it."""
+    """``a · b``; in a pipeline or schedule, an operand wider than a DSP port is split
+    into limbs whose products are registered before they are added, so each
+    multiplier is one DSP block with a register after it: two products when the
+    other operand fits a port, four when both are wider (:func:`_wide_product`)."""
     a, b = signed_value(va), signed_value(vb)
     if len(a) > len(b):
         a, b = b, a
     constant = isinstance(va, Const) or isinstance(vb, Const)  # shifts and adds: no DSP port to fit
-    if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS or len(a) > DSP_BITS:
+    if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS:
         return a * b
-    low = Cat(b[:DSP_LIMB], Const(0, 1)).as_signed()  # unsigned low limb
-    high = b[DSP_LIMB:].as_signed()  # the signed rest: b = high·2^limb + low
+    if len(a) > DSP_BITS:
+        return _wide_product(ctx, a, b)
+    low, high = _limbs(b)
     if ctx.sequential:
         p_low, p_high = ctx.hold(a * low, "p_lo", ctx.level), ctx.hold(a * high, "p_hi", ctx.level)
     else:
         p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
     return (p_high << DSP_LIMB) + p_low, 1
+
+
+def _limbs(v: Value) -> tuple[Value, Value]:
+    """``v`` as (its unsigned low DSP_LIMB bits, the signed rest): v = high·2^limb + low."""
+    return Cat(v[:DSP_LIMB], Const(0, 1)).as_signed(), v[DSP_LIMB:].as_signed()
+
+
+def _wide_product(ctx: Ctx, a: Value, b: Value) -> tuple[Value, int]:
+    """``a · b`` with both operands wider than a DSP port (a 768-wide row's Σx times
+    its multiplier): the four limb products, each registered (one DSP block each
+    while the high limbs fit a port: operands of up to 35 bits), then one add of
+    the two middle products and one of their sum to the outer two, which do not
+    overlap (the low product is below 2^(2·limb)) and so are placed side by side."""
+    (a_lo, a_hi), (b_lo, b_hi) = _limbs(a), _limbs(b)
+    parts = {"p_ll": a_lo * b_lo, "p_lh": a_lo * b_hi, "p_hl": a_hi * b_lo, "p_hh": a_hi * b_hi}
+    if ctx.sequential:
+        held = {name: ctx.hold(p, name, ctx.level) for name, p in parts.items()}
+    else:
+        held = {name: ctx.register(p, name) for name, p in parts.items()}
+    outer = Cat(held["p_ll"][: 2 * DSP_LIMB], held["p_hh"]).as_signed()
+    return outer + ((held["p_lh"] + held["p_hl"]) << DSP_LIMB), 1
 
 
 def element_products(roots: list[Hdl]) -> list[Hdl]:
