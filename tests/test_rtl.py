@@ -179,13 +179,14 @@ def test_an_op_that_changes_the_norm_forward_is_refused() -> None:
 
 
 @pytest.mark.slow
-def test_verilator_model_is_bit_exact_on_a_large_stream() -> None:
+@pytest.mark.parametrize("name,rows", [("l1_layernorm.int8.n64", 1600), ("softmax.int8.n32.padding", 3200)])
+def test_verilator_model_is_bit_exact_on_a_large_stream(name: str, rows: int) -> None:
     from compilers.rtl.verilator import build
 
-    case = case_named("l1_layernorm.int8.n64")
+    case = case_named(name)
     op = case.build()
     unit = rtl_unit(op)
-    x = random_inputs(case, np.random.default_rng(5), 1600)
+    x = random_inputs(case, np.random.default_rng(5), rows)
     out, cycles = build(unit).run(x.reshape(-1))
     assert np.array_equal(out.reshape(x.shape), op.forward(x))
     assert cycles == unit.latency + x.size  # one element per clock end to end

@@ -12,9 +12,10 @@ Pipelined like the norms' element chain (:class:`~compilers.rtl.values.Ctx`):
 every value the op records (``segment``, ``curve``, ``slope``, ``numerator``,
 ``output``: each exactly as wide as ``op.ranges()`` proves) or reuses is a
 register, so each multiply ends in a register, and :class:`Ctx` adds a register
-where an estimated path would outgrow a clock.  L levels (1 for a table; 11 for
-the int16 segments: the offset, the position in the segment and the rounded level
-are reused, so they are registers too), then the output register: latency L + 1
+where an estimated path would outgrow a clock.  L levels (1 for a table; 12 for
+the int16 GELU's segments: the offset, the position in the segment and the rounded
+level are reused, so they are registers too, and a product whose operands are both
+wider than a DSP port is four registered limb products), then the output register: latency L + 1
 cycles, one element per clock; the whole chain stalls while the output waits
 (``in_ready`` = output empty or taken).
 Ports: see :mod:`compilers.rtl.unit`.

@@ -137,11 +137,7 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
         # statistic's x² are the element path's only ones: in logic, no DSP per element
         for product in element_products([y, *(rs.term for rs in graph.sums)]):
             product.in_luts()
-    if list(trace) != list(rep.items):
-        raise NotImplementedError(
-            f"{cls.__name__}'s stages {list(rep.items)} differ from the unit's {list(trace)}: "
-            "the op's forward changed; update compilers/rtl/norm.py"
-        )
+    trace.require_every_stage(cls.__name__, "compilers/rtl/norm.py")
     return graph, y
 
 

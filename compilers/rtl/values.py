@@ -1120,3 +1120,13 @@ class ProvenTrace(dict):
         if isinstance(item, Hdl) and name in self.proven:
             item.narrow(self.proven[name], name)
         super().__setitem__(name, item)
+
+    def require_every_stage(self, op_name: str, module: str) -> None:
+        """Refuse a unit that saw other stages than the op's range report names, in
+        order: a stage added to the op's forward fails here instead of going missing
+        from the hardware (``module``: the generator to update)."""
+        if list(self) != list(self.proven):
+            raise NotImplementedError(
+                f"{op_name}'s stages {list(self.proven)} differ from the unit's {list(self)}: "
+                f"the op's forward changed; update {module}"
+            )
