@@ -186,12 +186,27 @@ def fake_bench() -> str:
     return runner.report(list(sections.values()))
 
 
+def fake_fpga() -> str:
+    """The FPGA report for made-up counts: an L1, an integer-L2 and an FP16 unit on two families."""
+    pytest.importorskip("amaranth")  # the report's module imports the RTL generators
+    from compilers.rtl import report
+    from compilers.rtl.synth import Resources, SynthResult
+
+    families = report.RATIO_FAMILIES
+    units = [report.ReportUnit(op, "int8.n64" if op != report.FP16_OP else "n64", None, 64, 1.0)
+             for op in (report.L1, report.L2, report.FP16_OP)]  # fmt: skip
+    results = [(u, SynthResult(u.name, fam, Resources(lut=1, ff=1, dsp=1, bram=0, cells={}), 100.0, None, {}, "0",
+                               False, 1.0)) for u in units for fam in families]  # fmt: skip
+    return report.markdown(results, families)
+
+
 # Every report a marker may quote -> its writer's text for made-up results.
 FAKE_REPORTS: dict[Path, Callable[[], str]] = {
     make_out("demo") / "error_table.md": fake_error_table,
     make_out("demo") / "train" / "accuracy.md": fake_accuracy,
     make_out("demo") / "deploy.md": fake_deploy,
     make_out("bench"): fake_bench,
+    make_out("fpga-report"): fake_fpga,
 }
 
 
