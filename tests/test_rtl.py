@@ -71,12 +71,20 @@ def test_norm_units_match_the_golden_op_over_shapes_and_widths(family, n: int, b
     assert np.array_equal(run_unit(op, x), op.forward(x))
 
 
-@pytest.mark.parametrize("family", [IntLayerNorm, pytest.param(L1LayerNorm, marks=pytest.mark.slow)])
-def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
+@pytest.mark.parametrize(
+    "build,passes",
+    [
+        (lambda: IntLayerNorm.from_float(np.linspace(0.5, 1.5, 64)), 1),
+        pytest.param(lambda: L1LayerNorm.from_float(np.linspace(0.5, 1.5, 64)), 2, marks=pytest.mark.slow),
+        (case_named("softmax.int8.n64").build, 2),  # the max, then the sum of the exponentials
+    ],
+    ids=["int_layernorm", "l1_layernorm", "softmax"],
+)
+def test_row_unit_streams_one_element_per_clock_for_n64(build, passes) -> None:
     """Row k+1 streams in while row k streams out: inputs accepted and outputs
     produced on consecutive clocks, after the documented latency."""
     n, rows = 64, 4
-    op = family.from_float(np.linspace(0.5, 1.5, n))
+    op = build()
     unit = rtl_unit(op)
     x = np.random.default_rng(3).integers(-128, 128, (rows, n))
     res = simulate(unit, x.reshape(-1))
@@ -84,6 +92,7 @@ def test_norm_unit_streams_one_element_per_clock_for_n64(family) -> None:
     assert np.array_equal(np.diff(res.in_cycles), np.ones(n * rows - 1))
     assert np.array_equal(np.diff(res.out_cycles), np.ones(n * rows - 1))
     norm = unit.elaboratable
+    assert norm.passes == passes
     assert res.out_cycles[0] - res.in_cycles[0] == unit.latency
     assert unit.latency == norm.passes * n + sum(norm.pass_depths) + norm.row_depth + READ_LATENCY + norm.element_depth + 3
     assert unit.cycles_per_row == n and unit.elements_per_cycle == 1.0

@@ -11,7 +11,6 @@ pytest.importorskip("amaranth")
 
 from compilers.rtl import rtl_unit
 from compilers.rtl.unit import has_rtl_unit
-from compilers.rtl.norm import READ_LATENCY
 from compilers.rtl.sim import simulate
 from compilers.rtl.softmax import SoftmaxUnit
 from qnorm.ops.softmax import IntSoftmax
@@ -35,22 +34,6 @@ def test_unit_is_bit_exact_on_the_int8_cases_under_back_pressure(name: str) -> N
     assert has_rtl_unit(op)
     assert np.array_equal(run_unit(op, x, out_stall_every=3), op.forward(x))
 
-
-def test_unit_streams_one_element_per_clock_for_n64() -> None:
-    """Rows stream in and out back to back after the documented latency."""
-    n, rows = 64, 4
-    op = case_named("softmax.int8.n64").build()
-    unit = rtl_unit(op)
-    x = np.random.default_rng(3).integers(-128, 128, (rows, n))
-    res = simulate(unit, x.reshape(-1))
-    assert np.array_equal(res.out.reshape(x.shape), op.forward(x))
-    assert np.array_equal(np.diff(res.in_cycles), np.ones(n * rows - 1))
-    assert np.array_equal(np.diff(res.out_cycles), np.ones(n * rows - 1))
-    sm = unit.elaboratable
-    assert sm.passes == 2  # the max, then the sum of the exponentials
-    assert res.out_cycles[0] - res.in_cycles[0] == unit.latency
-    assert unit.latency == 2 * n + sum(sm.pass_depths) + sm.row_depth + READ_LATENCY + sm.element_depth + 3
-    assert unit.cycles_per_row == n and unit.elements_per_cycle == 1.0
 
 
 def test_fully_masked_rows_output_zeros() -> None:
