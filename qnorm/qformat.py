@@ -78,9 +78,11 @@ class QFormat:
         """
         return self._round_scaled(self.scaled(x), mode)
 
-    def quantize_with_mask(self, x: Any, mode: Round | str = DEFAULT_ROUND) -> tuple[Any, Any]:
-        """:meth:`quantize` and :meth:`in_range` from one scaling pass (the QAT input path)."""
-        t = self.scaled(x)
+    def quantize_with_mask(self, x: Any, mode: Round | str = DEFAULT_ROUND, *, finite: bool = False) -> tuple[Any, Any]:
+        """:meth:`quantize` and :meth:`in_range` from one scaling pass (the QAT input path).
+        ``finite``: the caller has proven every ``x / scale`` finite (the QAT quantizer's
+        max |x| over the scale), so the per-element NaN/Inf count is skipped."""
+        t = self.scaled(x, finite=finite)
         return self._round_scaled(t, mode), (t >= self.lo) & (t <= self.hi)
 
     def _round_scaled(self, t: Any, mode: Round | str) -> Any:
@@ -88,20 +90,21 @@ class QFormat:
         q = _clip(round_float(t, mode), self.lo, self.hi)
         return q.to(_torch().int64) if _is_torch(q) else q.astype(np.int64)
 
-    def scaled(self, x: Any) -> Any:
-        """``x / scale`` in float64 (torch stays torch), NaN/Inf refused: what :meth:`quantize` rounds."""
+    def scaled(self, x: Any, *, finite: bool = False) -> Any:
+        """``x / scale`` in float64 (torch stays torch), NaN/Inf refused (unless the caller
+        proved them absent: ``finite``): what :meth:`quantize` rounds."""
         if _is_torch(x):
             torch = _torch()
             if x.dtype.is_complex or x.dtype == torch.bool:
                 raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued tensor")
             t = x.detach().to(torch.float64) / self.scale
-            bad = 0 if _all_finite_tensor(torch, t) else int((~torch.isfinite(t)).sum())
+            bad = 0 if finite or _all_finite_tensor(torch, t) else int((~torch.isfinite(t)).sum())
         else:
             x = np.asarray(x)
             if x.dtype.kind not in "fiu":
                 raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued array")
-            t = x.astype(np.float64) / self.scale
-            bad = int((~np.isfinite(t)).sum())
+            t = np.divide(x, self.scale, dtype=np.float64)  # the cast inside the division: one pass
+            bad = 0 if finite else int((~np.isfinite(t)).sum())
         if bad:
             raise ValueError(f"cannot quantize {bad} non-finite value(s) (NaN/Inf, or overflow of x/scale)")
         return t

@@ -205,27 +205,6 @@ def test_partial_rms_sums_the_first_columns_with_vpmaddwd():
     assert np.array_equal(kernel.build(host())(x), op.forward(x))
 
 
-def square_sum_func(n: int) -> tirx.PrimFunc:
-    """out[r] = Σ_k x[r, k]² in int32."""
-    rows = te.var("rows", "int64")
-    x = te.placeholder((rows, n), "int8", name="x")
-    k = te.reduce_axis((0, n), "k")
-    out = te.compute((rows,), lambda r: te.sum(x[r, k].astype("int32") * x[r, k].astype("int32"), axis=k), name="out")
-    return te.create_prim_func([x, out])
-
-
-@pytest.mark.parametrize("n", [x86_rowsums.MIN_ROW, 201, 65536])
-def test_a_square_sum_alone_is_exact_up_to_the_int32_edge(n):
-    """Rows of -128 at N = 65536 sum to 2^30 (every lane's partial sum far below 2^31)."""
-    needs_avx2_host()
-    func = square_sum_func(n)
-    assert x86_rowsums.sum_form(host()).madd in x86_rowsums.rewrite(tvm.IRModule({"main": func}), host()).script()
-    x = extreme_rows(QFormat(8, 1.0), n, np.random.default_rng(SEED + n)).astype(np.int8)
-    out = tvm.runtime.empty((len(x),), "int32")
-    build(func, host())(tvm.runtime.tensor(x), out)
-    assert np.array_equal(out.numpy(), (x.astype(np.int64) ** 2).sum(axis=1))
-
-
 def sum_abs_func(n: int) -> tirx.PrimFunc:
     """out[r] = Σ_k |N·x[r, k] − s[r]| with s an argument: any S, not only Σx."""
     rows = te.var("rows", "int64")
@@ -236,25 +215,38 @@ def sum_abs_func(n: int) -> tirx.PrimFunc:
     return te.create_prim_func([x, s, out])
 
 
-def row_sum_func(n: int) -> tirx.PrimFunc:
-    """out[r] = Σ_k x[r, k] in int32."""
+def row_reduction_func(n: int, squares: bool) -> tirx.PrimFunc:
+    """out[r] = Σ_k x[r, k] (or x[r, k]²) in int32."""
     rows = te.var("rows", "int64")
     x = te.placeholder((rows, n), "int8", name="x")
     k = te.reduce_axis((0, n), "k")
-    out = te.compute((rows,), lambda r: te.sum(x[r, k].astype("int32"), axis=k), name="out")
+
+    def term(r):
+        v = x[r, k].astype("int32")
+        return v * v if squares else v
+
+    out = te.compute((rows,), lambda r: te.sum(term(r), axis=k), name="out")
     return te.create_prim_func([x, out])
 
 
-@pytest.mark.parametrize("n", [x86_rowsums.MIN_ROW, 200, 1000])
-def test_a_row_sum_alone_is_exact(n):
+@pytest.mark.parametrize(
+    "n,squares",
+    [(x86_rowsums.MIN_ROW, False), (200, False), (1000, False),
+     (x86_rowsums.MIN_ROW, True), (201, True), (65536, True)],  # fmt: skip
+)
+def test_a_row_reduction_alone_is_exact(n, squares):
+    """Σx (vpsadbw) and Σx² (vpmaddwd); rows of -128 at N = 65536 square-sum to 2^30,
+    every lane's partial sum far below 2^31."""
     needs_avx2_host()
-    func = row_sum_func(n)
-    assert x86_rowsums.sum_form(host()).intrinsic in x86_rowsums.rewrite(tvm.IRModule({"main": func}), host()).script()
-    rng = np.random.default_rng(SEED + n)
-    x = extreme_rows(QFormat(8, 1.0), n, rng).astype(np.int8)
+    func = row_reduction_func(n, squares)
+    form = x86_rowsums.sum_form(host())
+    rewritten = x86_rowsums.rewrite(tvm.IRModule({"main": func}), host()).script()
+    assert (form.madd if squares else form.intrinsic) in rewritten
+    x = extreme_rows(QFormat(8, 1.0), n, np.random.default_rng(SEED + n)).astype(np.int8)
     out = tvm.runtime.empty((len(x),), "int32")
     build(func, host())(tvm.runtime.tensor(x), out)
-    assert np.array_equal(out.numpy(), x.astype(np.int64).sum(axis=1))
+    wide = x.astype(np.int64)
+    assert np.array_equal(out.numpy(), (wide**2 if squares else wide).sum(axis=1))
 
 
 def test_any_row_sum_is_exact_far_outside_the_int8_range():

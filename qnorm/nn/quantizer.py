@@ -86,34 +86,15 @@ def quantize_float(x: torch.Tensor, fmt: QFormat, peak: float | None = None) -> 
     float64 tensor on the CPU runs on its numpy view: on a few thousand values each
     numpy step costs a few microseconds where a torch call (a comparison, a dtype
     conversion) costs tens.  ``peak``: max |x|, when the caller has already found
-    every value finite (:func:`finite_extremes`); then :func:`_quantize_finite`
-    skips the spec's per-element finiteness pass.
+    every value finite (:func:`finite_extremes`); then the spec's per-element
+    finiteness count is skipped.
     """
+    # t = x / scale is monotone in |x|, so every |t| <= peak / scale (the same IEEE division)
+    finite = peak is not None and math.isfinite(peak / fmt.scale)
     if x.device.type == "cpu" and x.dtype in NUMPY_FLOATS:
-        a = x.detach().numpy()
-        # t = x / scale is monotone in |x|, so every |t| <= peak / scale (the same IEEE division)
-        finite = peak is not None and math.isfinite(peak / fmt.scale)
-        ints, inside = _quantize_finite(a, fmt) if finite else fmt.quantize_with_mask(a)
+        ints, inside = fmt.quantize_with_mask(x.detach().numpy(), finite=finite)
         return torch.from_numpy(ints), torch.from_numpy(inside)
-    return fmt.quantize_with_mask(x.detach().to(torch.float64))
-
-
-def _quantize_finite(a: np.ndarray, fmt: QFormat) -> tuple[np.ndarray, np.ndarray]:
-    """:meth:`QFormat.quantize_with_mask` (half up) of a float array whose ``x / scale``
-    is finite everywhere, in fewer passes over it; the same integers and mask.
-
-    ``t = x / scale`` in float64 (the cast happens inside the division: the same
-    values), rounded half up as ``fixedpoint.round_float`` does (``floor(t)`` plus
-    ``t − floor(t) >= 1/2``, exact for every finite t: above 2^52 t is an integer and
-    the difference 0), then saturated.  The spec first clips t to [lo − 1, hi + 1];
-    rounding is monotone and those ends are integers that saturate to lo and hi,
-    so the clip changes no output and is left out.
-    """
-    t = np.divide(a, fmt.scale, dtype=np.float64)
-    q = np.floor(t)
-    q += (t - q) >= 0.5
-    np.clip(q, fmt.lo, fmt.hi, out=q)
-    return q.astype(np.int64), (t >= fmt.lo) & (t <= fmt.hi)
+    return fmt.quantize_with_mask(x.detach().to(torch.float64), finite=finite)
 
 
 def exact_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
