@@ -54,9 +54,9 @@ DSP block per element, only in its row engine.
 The engine's hardware is one row's worth, not D levels of it: a row arrives
 only every N clocks and the engine needs D + 1, so ``E = min(ceil((D + 1) /
 N), MAX_ENGINES)`` engines take the rows in turn, and N >= (D + 1) / E streams
-at **one element per clock**.  Int8 rows of 64: D = 61 IntLayerNorm (its
-division and the square root of the quotient: 33 clocks), 54 RMSNorm, 43 L1,
-30 ShiftLayerNorm, so one engine each; L = 13 RMSNorm, 14 IntLayerNorm and L1,
+at **one element per clock**.  Int8 rows of 64: D = 63 IntLayerNorm (its
+division and the square root of the quotient: 33 clocks), 56 RMSNorm, 46 L1,
+32 ShiftLayerNorm, so one engine each; L = 13 RMSNorm, 14 IntLayerNorm and L1,
 16 ShiftLayerNorm (its x·a tree: two more levels).  With S = Σ S_p,
 ``B = P + 1 + min(ceil((S + D + 2) / N), EXTRA_BANKS)`` banks: a bank is held
 from its row's first input until its last element is read out,
@@ -96,6 +96,7 @@ from amaranth.lib.memory import Memory
 from compilers.rtl.stream import StreamUnit, fmt_shape
 from compilers.rtl.values import (
     DEPTH_BUDGET,
+    DISCARDED_COLLISIONS,
     Ctx,
     Graph,
     Hdl,
@@ -197,7 +198,7 @@ class NormUnit(StreamUnit):
             widths[self.graph.row_slot] = bits_for(0, self.graph.row_period - 1)
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, None, rows, sequential=True, step=Signal(16), busy=Signal())
+        row = Ctx(m, Signal(8), zero, None, rows, sequential=True, step=Signal(16))
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
         passes = []
         for p in range(self.passes):
@@ -217,7 +218,9 @@ class NormUnit(StreamUnit):
         stages = p_count + 2  # passes, row issue, output pass: each walks the banks in order
         ptr = [Signal(range(banks), name=f"ptr{s}") for s in range(stages)]
         want = [*range(p_count), row_ready, out_ready]
-        active = [Array(phase)[ptr[s]] == want[s] for s in range(stages)]
+        # each bank's phase compared first, then one bit picked by the stage's pointer:
+        # the row issue's enable fans out to the engine's registers, so its path is short
+        active = [Array(p == want[s] for p in phase)[ptr[s]] for s in range(stages)]
         chan = [Signal(range(n), name=f"chan{s}") for s in range(stages)]
 
         def hand_on(s: int, to: int | None) -> None:
@@ -255,11 +258,15 @@ class NormUnit(StreamUnit):
                     with m.Else():
                         m.d.sync += counted[s].eq(counted[s] + 1)
 
-        m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[])
+        # Every read port reads on each clock, also while its stage waits, and a bank
+        # is written only in phase 0, which no reading stage is in: a read that meets
+        # the write of its address is one its stage discards.
+        m.submodules.buf = buf = Memory(shape=self.in_data.shape(), depth=banks * n, init=[],
+                                        attrs={DISCARDED_COLLISIONS: 1})
         wr = buf.write_port()
 
-        def later(v: Value, enable: Value | None) -> Value:
-            reg = Signal(v.shape(), name="later")
+        def later(v: Value, enable: Value | None, reset_less: bool = False) -> Value:
+            reg = Signal(v.shape(), name="later", reset_less=reset_less)
             with m.If(1 if enable is None else enable):
                 m.d.sync += reg.eq(v)
             return reg
@@ -273,7 +280,7 @@ class NormUnit(StreamUnit):
             m.d.comb += rd.addr.eq(address(s))
             if enable is not None:
                 m.d.comb += rd.en.eq(enable)
-            out = [later(rd.data, enable), chan[s], ptr[s], step]
+            out = [later(rd.data, enable, reset_less=True), chan[s], ptr[s], step]
             for _ in range(READ_LATENCY):
                 out[1:] = [later(v, enable) for v in out[1:]]
             return out[0], out[1], out[2], out[3]
@@ -331,7 +338,7 @@ class NormUnit(StreamUnit):
             # the row's sums, copied from its bank when the row is issued: the
             # schedule's first clock reads registers, not the bank mux
             own = {rs.slot: [Signal.like(rows[rs.slot][0], name=f"engine{e}_sum{rs.slot}")] for rs in graph.sums}
-            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True, step=step, busy=busy)
+            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True, step=step)
             results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
             if max(level for _, level in results.values()) != self.row_depth:
                 raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
@@ -341,6 +348,7 @@ class NormUnit(StreamUnit):
             m.d.sync += done.eq(busy & (step == self.row_depth - 1))
             # the engine's next row starts on the clock this one ends
             issue = active[p_count] & (turn == e) & (~busy | done)
+            ctx.drive_schedule(issue)
             with m.If(busy):
                 m.d.sync += step.eq(step + 1)
             with m.If(done):

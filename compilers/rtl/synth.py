@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from amaranth.back import rtlil
 from amaranth.hdl import Elaboratable
 
 from compilers import cache
+from compilers.rtl import ecp5
+from compilers.rtl.values import DISCARDED_COLLISIONS
 from qnorm.errors import QnormError
 
 _KEY_FORMAT = 2  # bump when the key recipe or the entry layout changes
@@ -77,6 +79,10 @@ class Family:
     dsp: tuple[str, ...] = ()
     bram: Mapping[str, int] = field(default_factory=dict)  # cell -> BRAM units
     bram_unit: str = ""
+    # a pass over the synthesized netlist before place and route (counted after it),
+    # and its version for the cache key
+    netlist_pass: Callable[[dict], int] | None = field(default=None, compare=False)
+    netlist_pass_version: int = 0
 
 
 # LUT-RAM and shift-register cells occupy LUTs too (UG474, 7-series CLB guide); they
@@ -112,6 +118,8 @@ FAMILIES: dict[str, Family] = {
         dsp=("MULT18X18D", "ALU54B"),
         bram={"DP16KD": 1},
         bram_unit="18 Kb (DP16KD)",
+        netlist_pass=ecp5.pack_output_registers,
+        netlist_pass_version=ecp5.PACK_VERSION,
     ),
     "ice40": Family(
         "ice40", "Lattice iCE40 UP5K SG48", f"synth_ice40 -dsp -top {TOP} -json {{netlist}}",
@@ -257,12 +265,48 @@ def to_rtlil(unit: Elaboratable, ports: Sequence | None = None) -> str:
     ``ports``: the unit's ports, for a plain ``Elaboratable``; an Amaranth
     component's come from its signature."""
     text = rtlil.convert(unit, name=TOP, ports=ports) if ports is not None else rtlil.convert(unit, name=TOP)
-    return _SRC_ATTRIBUTE.sub("", text)
+    return collisions_dont_care(_SRC_ATTRIBUTE.sub("", text))
+
+
+_COLLISION_MASK = re.compile(r"^(\s*parameter \\COLLISION_X_MASK )(\d+)'([01]+)$")
+
+
+def collisions_dont_care(text: str) -> str:
+    """RTLIL where the read ports of every memory marked DISCARDED_COLLISIONS return
+    don't-care on a collision with any write port (``COLLISION_X_MASK`` all ones;
+    Amaranth writes all zeros: the old value)."""
+    marked: set[str] = set()
+    attributes: list[str] = []
+    cell, memid = "", ""
+    out = []
+    for line in text.split("\n"):
+        words = line.split()
+        if words[:1] == ["module"]:
+            marked.clear()
+        elif words[:1] == ["attribute"]:
+            attributes.append(words[1])
+        elif words[:1] == ["memory"]:
+            if f"\\{DISCARDED_COLLISIONS}" in attributes:
+                marked.add(words[-1])
+        elif words[:1] == ["cell"]:
+            cell, memid = words[1], ""
+        elif words[:2] == ["parameter", "\\MEMID"] and cell == "$memrd_v2":
+            memid = words[2].strip('"').replace("\\\\", "\\")
+        elif (found := _COLLISION_MASK.match(line)) and cell == "$memrd_v2":
+            if not memid:
+                raise ValueError("an RTLIL $memrd_v2 cell gives COLLISION_X_MASK before MEMID")
+            if memid in marked:
+                line = f"{found[1]}{found[2]}'{'1' * len(found[3])}"
+        if words[:1] != ["attribute"]:
+            attributes = []
+        out.append(line)
+    return "\n".join(out)
 
 
 def cache_key(rtlil_text: str, family: Family, tools: Mapping[str, str]) -> str:
     h = hashlib.sha256()
-    recipe = (_KEY_FORMAT, family.synth, family.pnr, family.pnr_freq_mhz, PNR_FLAGS, sorted(tools.items()))
+    recipe = (_KEY_FORMAT, family.synth, family.pnr, family.pnr_freq_mhz, PNR_FLAGS, sorted(tools.items()),
+              family.netlist_pass_version)
     h.update(repr(recipe).encode() + b"\0" + rtlil_text.encode())
     return h.hexdigest()
 
@@ -323,7 +367,25 @@ def _synthesize_cells(fam: Family, work: Path) -> Resources:
         cells = stat["design"]["num_cells_by_type"]
     except (OSError, ValueError, KeyError) as err:
         raise SynthError(f"yosys ({fam.name}) wrote no usable stat -json ({err})") from None
+    if fam.netlist_pass is not None:
+        cells = _pass_netlist(fam, work / "netlist.json")
     return count_resources(fam, cells)
+
+
+def _pass_netlist(fam: Family, path: Path) -> dict[str, int]:
+    """Run the family's netlist pass on the synthesized netlist, in place: the cells
+    it leaves, by type."""
+    assert fam.netlist_pass is not None
+    try:
+        netlist = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SynthError(f"yosys ({fam.name}) wrote no usable netlist ({err})") from None
+    fam.netlist_pass(netlist)
+    path.write_text(json.dumps(netlist))
+    counts: dict[str, int] = {}
+    for cell in netlist["modules"][TOP]["cells"].values():  # as yosys' stat counts a flat design
+        counts[cell["type"]] = counts.get(cell["type"], 0) + 1
+    return counts
 
 
 def count_resources(fam: Family, cells: Mapping[str, int]) -> Resources:

@@ -47,12 +47,17 @@ fields side by side, and the read port advances with the pipeline's ``enable``
 like every register of it.
 
 Timing.  In a pipeline or a schedule each operation has an estimated logic
-depth (``LOGIC``, ``CARRY``, ``SHIFTER``, ``PRODUCT``), and an operand whose path
-would exceed :data:`DEPTH_BUDGET` is registered first, one register shared by
-its readers; a product whose wider operand exceeds a DSP port (:data:`DSP_BITS`,
-the other fitting) becomes registered limb products added a level later, and a
-product moved into logic (:meth:`Hdl.in_luts`) a tree of shifted adds with a
-register after each level (:func:`lut_product`).
+depth (``LOGIC``, ``CARRY``, ``PRODUCT``; a barrel shifter a LOGIC per amount
+bit), and an operand whose path would exceed :data:`DEPTH_BUDGET` is registered
+first, one register shared by its readers; a product whose wider operand exceeds
+a DSP port (:data:`DSP_BITS`, the other fitting) becomes registered limb products
+added a level later, a product moved into logic (:meth:`Hdl.in_luts`) a tree of
+shifted adds with a register after each level (:func:`lut_product`), and a shift
+by more than SHIFT_STAGE_BITS amount bits two registered stages
+(:func:`barrel_shift`).  An order compare is the sign of a difference
+(:func:`less`), a division or root step one subtraction whose sign decides
+(:func:`compare_subtract`), and a schedule's clocks are the bits of a shift
+register (:meth:`Ctx.at`): each path starts at a register, not at a decoder.
 Widths: besides the recorded values, every value whose operands have bounds
 (constants, recorded values, tables, and ``+ - *``, shifts, selects, divisions
 and roots of bounded values) gets a wire of its bound's width, where Amaranth's
@@ -98,7 +103,8 @@ SHIFT_BITS = 6  # fixedpoint shift amounts lie in [0, 62]
 # the most a path between registers may have: a pipeline or schedule registers
 # an operand where its path would grow beyond it (ECP5 at 150 MHz: one carry
 # chain and a few LUTs per clock).
-LOGIC, CARRY, SHIFTER, PRODUCT = 1, 3, 4, 6
+LOGIC, CARRY, PRODUCT = 1, 3, 6
+SHIFT_STAGE_BITS = 5  # the amount bits one barrel-shifter stage takes: a mux level each
 DSP_BITS, DSP_LIMB = 18, 17  # a DSP block's signed multiplier port, and the unsigned limb of a wider operand
 DEPTH_BUDGET = 5
 # A table this deep or deeper is a block-RAM ROM where the pipeline collects them.
@@ -111,11 +117,31 @@ DEPTH_BUDGET = 5
 # and nextpnr-ecp5 did not route it within 15 minutes (as muxes: 118.5 MHz).
 BRAM_MIN_DEPTH = 256
 ROM_LATENCY = 2  # a block-RAM ROM's address to its value in a fabric register
+# The attribute of a memory whose unit discards every read that can meet a write to
+# the same address in the same clock (the norm unit's row buffer): synthesis may
+# return anything for such a read (compilers.rtl.synth.to_rtlil), where it would
+# otherwise add bypass logic between the block RAM and its first register.
+DISCARDED_COLLISIONS = "qnorm_discarded_collisions"
 
 
 def signed_value(v: Value) -> Value:
     """``v`` as a signed value of the same integer (a 1-bit compare becomes 0 / 1)."""
     return v if v.shape().signed else Cat(v, Const(0, 1)).as_signed()
+
+
+def less(a: Value, b: Value) -> Value:
+    """``a < b`` as the sign bit of ``a − b`` taken one bit wider than both (exact):
+    a sum output of the carry chain.  yosys computes a compare from the chain's
+    carry-out, which on ECP5 leaves the chain through a CCU2C of its own (about
+    1.7 ns of a 6.7 ns clock at 150 MHz)."""
+    return (signed_value(a) - signed_value(b))[-1]
+
+
+def compare_subtract(a: Value, b: Value) -> tuple[Value, Value]:
+    """One restoring step's ``(a >= b, a − b)`` from a single subtraction: the
+    difference is kept where the flag is high (its sign bit is the flag's inverse)."""
+    diff = signed_value(a) - signed_value(b)
+    return ~diff[-1], diff
 
 
 def const(k: int) -> Value:
@@ -149,12 +175,13 @@ class Ctx:
     # a division is a chain of one compare-subtract stage per quotient bit
     pipelined: bool = False
     enable: Value | None = None
-    # sequential (module docstring): ``step`` counts the schedule's clocks while
-    # ``busy`` is high; ``level`` is that of the operands of the value being built
+    # sequential (module docstring): ``step`` counts the schedule's clocks (its
+    # parity paces two-clock steps), the at() bits mark them; ``level`` is that of
+    # the operands of the value being built
     sequential: bool = False
     step: Value | None = None
-    busy: Value | None = None
     level: int = 0
+    schedule: dict[int, Signal] = field(default_factory=dict)  # the at() bits, by clock
     memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
     depths: dict[int, int] = field(default_factory=dict)  # logic levels since a register, per Hdl
     delays: dict[tuple[int, int], Any] = field(default_factory=dict)
@@ -163,9 +190,12 @@ class Ctx:
     # table is a LUT mux.  The unit calls :meth:`build_roms` once the chain is staged.
     roms: list[tuple[Table, int, Signal]] | None = None
 
-    def register(self, v: Value, name: str) -> Value:
-        """A register of ``v``: call it outside any ``m.If`` (it would advance only there)."""
-        reg = Signal(v.shape(), name=name)
+    def register(self, v: Value, name: str, reset_less: bool = True) -> Value:
+        """A register of ``v``: call it outside any ``m.If`` (it would advance only there).
+        Data needs no reset, its readers wait for a valid flag (and a reset-less
+        register may become a hard block's own: compilers.rtl.ecp5); a valid flag
+        (``reset_less=False``) does."""
+        reg = Signal(v.shape(), name=name, reset_less=reset_less)
         if self.enable is None:
             self.m.d.sync += reg.eq(v)
         else:
@@ -187,24 +217,44 @@ class Ctx:
         self.depths[id(h)] = 0
         return reg, level + 1
 
-    def at(self, level: int) -> Value:
-        """High on the schedule's clock ``level`` (sequential)."""
-        key = ("at", level)
-        if key not in self.delays:
-            assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
-            hit = Signal(name=f"at{level}")
-            self.m.d.comb += hit.eq(self.busy & (self.step == level))
-            self.delays[key] = hit
-        return self.delays[key]
+    def at(self, level: int) -> Signal:
+        """High on the schedule's clock ``level`` (sequential): a bit of the schedule's
+        shift register (:meth:`drive_schedule`), so the paths it enables begin at a
+        register, not at a compare of the step counter."""
+        if level not in self.schedule:
+            self.schedule[level] = Signal(name=f"at{level}")
+        return self.schedule[level]
 
     def during(self, first: int, last: int) -> Value:
-        """High on the schedule's clocks ``first`` … ``last`` (sequential)."""
-        assert self.step is not None and self.busy is not None, "a sequential Ctx needs step and busy"
-        return self.busy & (self.step >= first) & (self.step <= last)
+        """High on the schedule's clocks ``first`` … ``last`` (sequential): ``at(first)``,
+        or a register set on that clock and cleared on clock ``last``."""
+        if last <= first:
+            return self.at(first)
+        key = ("during", first, last)
+        if key not in self.delays:
+            window = Signal(name=f"during{first}_{last}")
+            with self.m.If(self.at(first)):
+                self.m.d.sync += window.eq(1)
+            with self.m.Elif(self.at(last)):
+                self.m.d.sync += window.eq(0)
+            self.delays[key] = self.at(first) | window
+        return self.delays[key]
+
+    def drive_schedule(self, issue: Value) -> None:
+        """Drive the :meth:`at` bits of a schedule whose clock 0 follows the clock
+        ``issue`` is high on: bit k is ``issue`` k + 1 clocks late (rows issued
+        back to back overlap, each in its own bits)."""
+        top = max(self.schedule, default=-1)
+        previous = issue
+        for level in range(top + 1):
+            bit = self.at(level)
+            self.m.d.sync += bit.eq(previous)
+            previous = bit
 
     def hold(self, v: Value, name: str, level: int) -> Value:
-        """A register loaded with ``v`` at the schedule's clock ``level``, then held."""
-        reg = Signal(v.shape(), name=name)
+        """A register loaded with ``v`` at the schedule's clock ``level``, then held
+        (data: reset-less, see :meth:`register`)."""
+        reg = Signal(v.shape(), name=name, reset_less=True)
         with self.m.If(self.at(level)):
             self.m.d.sync += reg.eq(v)
         return reg
@@ -263,7 +313,7 @@ class Ctx:
         for k in range(level + 1, to + 1):
             key = (base, k)
             if key not in self.delays:
-                self.delays[key] = self.register(v, "d")
+                self.delays[key] = self.register(v, "d", reset_less=False)  # also delays valid flags
             v = self.delays[key]
         return v
 
@@ -633,17 +683,37 @@ class Hdl:
     __rxor__ = __xor__
 
     def __lshift__(self, o: Any) -> Hdl:
-        return self._bounded(o, lambda a, b: a << b.as_unsigned()[:SHIFT_BITS], shifted_left, self._shift_cost(o))
+        return self._shift(o, left=True)
 
     def __rlshift__(self, o: Any) -> Hdl:
         return self._lift(o) << self
 
     def __rshift__(self, o: Any) -> Hdl:
-        return self._bounded(o, lambda a, b: a >> b.as_unsigned()[:SHIFT_BITS], shifted_right, self._shift_cost(o))
+        return self._shift(o, left=False)
 
-    def _shift_cost(self, amount: Any) -> int:
-        """A shift by a constant is wiring; by a value, a barrel shifter."""
-        return 0 if self._lift(amount).constant is not None else SHIFTER
+    def _shift(self, o: Any, left: bool) -> Hdl:
+        """``self << o`` or the floor ``self >> o``: wiring for a constant amount, else a
+        barrel shifter over the amount's bits its bound allows (:func:`barrel_shift`)."""
+        amount = self._lift(o)
+        bound_of = shifted_left if left else shifted_right
+        if amount.constant is not None:
+            return self._bounded(amount, lambda a, b: _shifted(a, b.as_unsigned()[:SHIFT_BITS], left), bound_of, cost=0)
+        span = amount.bound
+        bits = SHIFT_BITS if span is None or span.lo < 0 else min(max(span.hi.bit_length(), 1), SHIFT_BITS)
+
+        if self.constant is not None:  # a constant shifted: each result bit decodes the amount
+            return self._bounded(amount, lambda a, b: _shifted(a, b.as_unsigned()[:bits], left), bound_of,
+                                 cost=2 * LOGIC)
+
+        def build(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
+            width = None if out.known is None else bits_for(out.known.lo, out.known.hi)
+            return barrel_shift(ctx, signed_value(va), vb.as_unsigned()[:bits], left, width)
+
+        out = Hdl(self.graph, build, (self, amount), max(self.pass_, amount.pass_), self.per_row and amount.per_row,
+                  cost=LOGIC * min(bits, SHIFT_STAGE_BITS))
+        if self.bound is not None and span is not None:
+            out.known = bound_of(self.bound, span)
+        return out
 
     def __rrshift__(self, o: Any) -> Hdl:
         return self._lift(o) >> self
@@ -651,16 +721,22 @@ class Hdl:
     # ---- comparisons (1-bit results)
 
     def __lt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a < b, cost=self._compare_cost(o))
+        return self._compare(o, lambda a, b: a < b, lambda a, b: less(a, b))
 
     def __le__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a <= b, cost=self._compare_cost(o))
+        return self._compare(o, lambda a, b: a <= b, lambda a, b: ~less(b, a))
 
     def __gt__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a > b, cost=self._compare_cost(o))
+        return self._compare(o, lambda a, b: a > b, lambda a, b: less(b, a))
 
     def __ge__(self, o: Any) -> Hdl:
-        return self._combine(o, lambda a, b: a >= b, cost=self._compare_cost(o))
+        return self._compare(o, lambda a, b: a >= b, lambda a, b: ~less(a, b))
+
+    def _compare(self, o: Any, plain: Callable[[Value, Value], Value], chained: Callable[[Value, Value], Value]) -> Hdl:
+        """An order compare: against 0 as Amaranth writes it (the sign bit, an OR of the
+        others), else the sign of the difference (:func:`less`)."""
+        zero = self._lift(o).constant == 0
+        return self._combine(o, plain if zero else chained, cost=self._compare_cost(o))
 
     def __eq__(self, o: object) -> Hdl:  # type: ignore[override]
         return self._combine(o, lambda a, b: a == b, cost=2 * LOGIC)
@@ -834,8 +910,8 @@ def divide(ctx: Ctx, n: Value, d: Value) -> tuple[Value, Value, int]:
     neg_l = neg
     for i in range(bits - 1, -1, -1):
         trial = Cat(mag[i], rem)
-        take = trial >= dd
-        rem = Mux(take, trial - dd, trial)[: len(dd) + 1]
+        take, diff = compare_subtract(trial, dd)
+        rem = Mux(take, diff, trial)[: len(dd) + 1]
         quo = Cat(take, quo)
         rem, quo = ctx.register(rem, "div_r"), ctx.register(quo[:bits], "div_q")
         mag, dd, neg_l = ctx.register(mag, "div_n"), ctx.register(dd, "div_d"), ctx.register(neg_l, "div_s")
@@ -934,6 +1010,29 @@ def lut_product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
     return (product, levels) if levels else product
 
 
+def _shifted(a: Value, amount: Value, left: bool) -> Value:
+    return a << amount if left else a >> amount
+
+
+def barrel_shift(ctx: Ctx, a: Value, amount: Value, left: bool, width: int | None) -> Value | tuple[Value, int]:
+    """``a << amount`` or ``a >> amount`` (floor) by an unsigned ``amount``.  In a
+    pipeline or schedule an amount of more than SHIFT_STAGE_BITS bits shifts in two
+    stages, a register between: by its high bits, then by its low ones (a 2:1 mux
+    level per amount bit: six do not fit a clock).  Floor and left shifts compose
+    exactly; the first stage's value is no wider than the result (``width``, its
+    bound's, where known) or ``a``."""
+    if len(amount) <= SHIFT_STAGE_BITS or not (ctx.pipelined or ctx.sequential):
+        return _shifted(a, amount, left)
+    high = Cat(Const(0, SHIFT_STAGE_BITS), amount[SHIFT_STAGE_BITS:])
+    first = _shifted(a, high, left)
+    if width is not None:
+        first = first[: max(width, len(a))].as_signed()
+    low = amount[:SHIFT_STAGE_BITS]
+    if ctx.sequential:  # the amount holds still while its row is scheduled
+        return _shifted(ctx.hold(first, "shift_hi", ctx.level), low, left), 1
+    return _shifted(ctx.register(first, "shift_hi"), ctx.register(low, "shift_lo"), left), 1
+
+
 def shifted_left(v: Interval, s: Interval) -> Interval:
     """The bound of ``v << s`` (s >= 0)."""
     lo, hi = max(s.lo, 0), min(max(s.hi, 0), (1 << SHIFT_BITS) - 1)
@@ -991,9 +1090,9 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False
     rem_in = Mux(first, mag[qbits:], rem)
     nq_in = Mux(first, mag[:qbits], nq)
     trial = Cat(nq_in[-1], rem_in)
-    take = trial >= dd
+    take, diff = compare_subtract(trial, dd)
     with ctx.m.If(ctx.during(start, start + qbits - 1)):
-        ctx.m.d.sync += [rem.eq(Mux(take, trial - dd, trial)), nq.eq(Cat(take, nq_in[:-1]))]
+        ctx.m.d.sync += [rem.eq(Mux(take, diff, trial)), nq.eq(Cat(take, nq_in[:-1]))]
     q = Mux(neg, -signed_value(nq), signed_value(nq))
     r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
     return SerialDivider(q, r, nq, start, qbits, nonneg)
@@ -1011,12 +1110,12 @@ def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
     res = Signal(width, name="isqrt_res")
     bit = Signal(width, name="isqrt_bit")  # 4^k of the current digit: one-hot
     trial = res + bit
-    take = rem >= trial
+    take, diff = compare_subtract(rem, trial)
     with ctx.m.If(ctx.at(start)):
         ctx.m.d.sync += [rem.eq(v.as_unsigned()), res.eq(0), bit.eq(1 << top)]
     with ctx.m.If(ctx.during(start + 1, start + steps)):
         ctx.m.d.sync += [
-            rem.eq(Mux(take, rem - trial, rem)),
+            rem.eq(Mux(take, diff, rem)),
             res.eq(Mux(take, (res >> 1) + bit, res >> 1)),
             bit.eq(bit >> 2),
         ]
@@ -1038,11 +1137,11 @@ def isqrt_of_quotient(ctx: Ctx, div: SerialDivider) -> tuple[Value, int]:
     high = Mux(ctx.at(first), 0, div.nq[1]) if odd else div.nq[1]
     grown = Cat(div.nq[0], high, rem)  # 4·rem + the next pair
     trial = Cat(Const(1, 2), root)  # 4·root + 1
-    take = grown >= trial
+    take, diff = compare_subtract(grown, trial)
     with ctx.m.If(ctx.at(div.start)):
         ctx.m.d.sync += [rem.eq(0), root.eq(0)]
     with ctx.m.If(ctx.during(first, last) & (ctx.step[0] == (first & 1))):
-        ctx.m.d.sync += [rem.eq(Mux(take, grown - trial, grown)), root.eq(Cat(take, root))]
+        ctx.m.d.sync += [rem.eq(Mux(take, diff, grown)), root.eq(Cat(take, root))]
     return signed_value(root), last + 1
 
 
