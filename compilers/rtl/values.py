@@ -639,7 +639,7 @@ class Hdl:
                     qbits = quotient_bits(n, d, a.bound, b.bound)
                     serial = divide_serial(ctx, n, d, qbits, a.bound is not None and a.bound.lo >= 0)
                     ctx.delays[("serial", key)] = serial
-                    ctx.delays[key] = serial.q, serial.r, serial.qbits
+                    ctx.delays[key] = serial.q, serial.r, serial.steps
                 else:
                     ctx.delays[key] = divide(ctx, n, d)
             q, r, steps = ctx.delays[key]
@@ -929,6 +929,9 @@ def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
     a, b = signed_value(va), signed_value(vb)
     if len(a) > len(b):
         a, b = b, a
+    for k, other in ((va, vb), (vb, va)):
+        if isinstance(k, Const) and k.value > 0 and bin(k.value).count("1") <= 2:
+            return _two_shifts(signed_value(other), k.value)
     constant = isinstance(va, Const) or isinstance(vb, Const)  # shifts and adds: no DSP port to fit
     if constant or not (ctx.pipelined or ctx.sequential) or len(b) <= DSP_BITS:
         return a * b
@@ -940,6 +943,13 @@ def _product(ctx: Ctx, va: Value, vb: Value) -> Value | tuple[Value, int]:
     else:
         p_low, p_high = ctx.register(a * low, "p_lo"), ctx.register(a * high, "p_hi")
     return (p_high << DSP_LIMB) + p_low, 1
+
+
+def _two_shifts(v: Value, k: int) -> Value:
+    """``v · k`` for a positive constant of at most two one bits: one shifted add (yosys
+    would map a constant as wide as a DSP port onto a DSP block and an adder)."""
+    low = k & -k
+    return (v << (low.bit_length() - 1)) + ((v << ((k - low).bit_length() - 1)) if k != low else 0)
 
 
 def _limbs(v: Value) -> tuple[Value, Value]:
@@ -1068,6 +1078,7 @@ class SerialDivider:
     start: int
     qbits: int
     nonneg: bool  # the dividend is proven >= 0: q is nq itself
+    steps: int  # clocks from the operands' level to q and r
 
 
 def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False) -> SerialDivider:
@@ -1078,11 +1089,14 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False
     bits are the quotient's; the bits above them are the first partial remainder,
     below d because the quotient fits ``qbits`` (:func:`quotient_bits`).  It
     steps on the operands' level ℓ (the first step from the operands themselves)
-    … ℓ + qbits − 1; q and r are valid from ℓ + qbits."""
-    start = ctx.level
+    … ℓ + qbits − 1; q and r are valid from ℓ + qbits.  A dividend not proven
+    non-negative has its magnitude held first: each of those clocks one later."""
+    level = start = ctx.level
     bits = max(len(n), len(d)) + 1
     neg = n < 0
     mag = Mux(neg, -n + d - 1, n).as_unsigned()[:bits]
+    if not nonneg:  # −n + d − 1 is two carry chains: held a clock before the steps read it
+        mag, start = ctx.hold(mag, "div_mag", start), start + 1
     dd = d.as_unsigned()[: len(d)]
     rem = Signal(len(dd), name="div_r")  # the partial remainder, always below d
     nq = Signal(qbits, name="div_q")  # the numerator's bits shift out as the quotient's shift in
@@ -1095,7 +1109,7 @@ def divide_serial(ctx: Ctx, n: Value, d: Value, qbits: int, nonneg: bool = False
         ctx.m.d.sync += [rem.eq(Mux(take, diff, trial)), nq.eq(Cat(take, nq_in[:-1]))]
     q = Mux(neg, -signed_value(nq), signed_value(nq))
     r = Mux(neg, signed_value(dd) - 1 - signed_value(rem), signed_value(rem))
-    return SerialDivider(q, r, nq, start, qbits, nonneg)
+    return SerialDivider(q, r, nq, start, qbits, nonneg, start + qbits - level)
 
 
 def isqrt_serial(ctx: Ctx, v: Value, max_input_bits: int) -> tuple[Value, int]:
