@@ -348,7 +348,7 @@ class RowSum:
 
     def combine(self, acc: Value, term: Value) -> Value:
         """The accumulator's next value after ``term``."""
-        return Mux(term > acc, term, acc) if self.kind == "max" else acc + term
+        return Mux(less(acc, term), term, acc) if self.kind == "max" else acc + term
 
     def identity(self, width: int) -> int:
         """The accumulator's value before a row's first term: 0, or for a maximum the
@@ -882,9 +882,10 @@ def rom_lookup(values: np.ndarray, index: Hdl) -> Hdl:
     def read(ctx: Ctx, at: Value) -> Value | tuple[Value, int]:
         data = Array(Const(v, shape) for v in reach)[at.as_unsigned()[:address]]
         if ctx.pipelined:
-            # registered twice (here, then as the recorded value it is): synthesis may
-            # put a deep ROM in block RAM, whose slow clock-to-out must meet a register
-            return ctx.register(data, "rom"), 1
+            # registered twice: synthesis may put a deep ROM in block RAM (the first
+            # register its read register), whose slow clock-to-out must meet a plain
+            # register (which may become its output register: compilers.rtl.ecp5)
+            return ctx.register(ctx.register(data, "rom"), "rom_out"), 2
         return data
 
     # a mux tree of 2^address entries: about one logic level per 3 address bits
