@@ -85,6 +85,7 @@ from collections.abc import Callable
 
 from amaranth.hdl import (
     Array,
+    Const,
     Module,
     Mux,
     Signal,
@@ -244,16 +245,29 @@ class NormUnit(StreamUnit):
             counted[s] = Signal(range(banks * n), name=f"addr{s}")
             return counted[s]
 
+        def at_top(counter: Signal, top: int, step: Value) -> Value:
+            """High while ``counter`` (from 0, one up per ``step``, back to 0 after ``top``)
+            is at ``top``: a register loaded on each step with ``counter == top − 1``, so
+            no compare of a wide counter lies before the bank hand-off it drives."""
+            if top == 0:
+                return Const(1)
+            flag = Signal(name=f"{counter.name}_top")
+            with m.If(step):
+                m.d.sync += flag.eq(counter == top - 1)
+            return flag
+
         def count(s: int, step: Value, to: int | None = None) -> None:
             """Count the stage's elements (and its address); the last one hands the bank on."""
+            last = at_top(chan[s], n - 1, step)
+            wrap = at_top(counted[s], banks * n - 1, step) if s in counted else None
             with m.If(step):
-                with m.If(chan[s] == n - 1):
+                with m.If(last):
                     m.d.sync += chan[s].eq(0)
                     hand_on(s, to)
                 with m.Else():
                     m.d.sync += chan[s].eq(chan[s] + 1)
-                if s in counted:
-                    with m.If(counted[s] == banks * n - 1):
+                if wrap is not None:
+                    with m.If(wrap):
                         m.d.sync += counted[s].eq(0)
                     with m.Else():
                         m.d.sync += counted[s].eq(counted[s] + 1)

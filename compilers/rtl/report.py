@@ -219,6 +219,8 @@ def family_lines(families: Sequence[str]) -> list[str]:
     for name in families:
         fam = FAMILIES[name]
         flow = f"`{fam.synth.split(' -json')[0]}`"
+        if fam.netlist_pass is not None:
+            flow += f", `{fam.netlist_pass.__module__}.{fam.netlist_pass.__name__}` (version {fam.netlist_pass_version})"
         if fam.pnr:
             flow += f", then `{' '.join(fam.pnr)} --freq {fam.pnr_freq_mhz} {' '.join(PNR_FLAGS)}`"
         lines.append(f"- {name}: {fam.part}; {flow}; BRAM in {fam.bram_unit}")
