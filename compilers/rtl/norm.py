@@ -29,7 +29,7 @@ the stages walk in order, each bank handed from stage to stage:
   :func:`~compilers.rtl.values.isqrt_serial`; an isqrt of a quotient digests
   its bits as the divider produces them); the engine copies the row's sums out
   of the bank when it takes the row (its first clock reads registers, not the
-  bank mux); at clock D (a ``done`` register set on clock D − 1) the results
+  bank mux); at clock D (the schedule's own bit: its clocks are a shift register) the results
   are latched into the bank and the engine takes the next row on the same clock;
 * out — reads the buffer (READ_LATENCY clocks: the memory's read register and
   one more), one element per clock, through the element chain (``x·a − c``,
@@ -199,7 +199,7 @@ class NormUnit(StreamUnit):
             widths[self.graph.row_slot] = bits_for(0, self.graph.row_period - 1)
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, None, rows, sequential=True, step=Signal(16))
+        row = Ctx(m, Signal(8), zero, None, rows, sequential=True)
         d = max(v.staged(row)[1] for v in self.graph.latched.values())
         passes = []
         for p in range(self.passes):
@@ -347,30 +347,25 @@ class NormUnit(StreamUnit):
         turn = Signal(range(self.engines), name="engine_turn")  # rows go to the engines in turn
         for e in range(self.engines):
             busy = Signal(name=f"engine{e}_busy")
-            step = Signal(range(self.row_depth + 1), name=f"engine{e}_step")
             bank = Signal(range(banks), name=f"engine{e}_bank")
             # the row's sums, copied from its bank when the row is issued: the
             # schedule's first clock reads registers, not the bank mux
             own = {rs.slot: [Signal.like(rows[rs.slot][0], name=f"engine{e}_sum{rs.slot}")] for rs in graph.sums}
-            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True, step=step)
+            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True)
             results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
             if max(level for _, level in results.values()) != self.row_depth:
                 raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
-            # high on the schedule's last clock D: a register set on clock D - 1, so the
-            # bank hand-off and the next issue do not wait for the step compare
-            done = Signal(name=f"engine{e}_done")
-            m.d.sync += done.eq(busy & (step == self.row_depth - 1))
+            # high on the schedule's last clock D: the schedule's own bit, a register
+            done = ctx.at(self.row_depth)
             # the engine's next row starts on the clock this one ends
             issue = active[p_count] & (turn == e) & (~busy | done)
             ctx.drive_schedule(issue)
-            with m.If(busy):
-                m.d.sync += step.eq(step + 1)
             with m.If(done):
                 for slot, (v, _) in results.items():
                     m.d.sync += Array(rows[slot])[bank].eq(v)
                 m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
             with m.If(issue):
-                m.d.sync += [busy.eq(1), step.eq(0), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
+                m.d.sync += [busy.eq(1), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
                 m.d.sync += [own[slot][0].eq(Array(rows[slot])[ptr[p_count]]) for slot in own]
                 hand_on(p_count, row_busy)
 

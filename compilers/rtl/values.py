@@ -175,11 +175,9 @@ class Ctx:
     # a division is a chain of one compare-subtract stage per quotient bit
     pipelined: bool = False
     enable: Value | None = None
-    # sequential (module docstring): ``step`` counts the schedule's clocks (its
-    # parity paces two-clock steps), the at() bits mark them; ``level`` is that of
-    # the operands of the value being built
+    # sequential (module docstring): the at() bits mark the schedule's clocks;
+    # ``level`` is that of the operands of the value being built
     sequential: bool = False
-    step: Value | None = None
     level: int = 0
     schedule: dict[int, Signal] = field(default_factory=dict)  # the at() bits, by clock
     memo: dict[int, tuple[Value, int]] = field(default_factory=dict)
@@ -1155,7 +1153,11 @@ def isqrt_of_quotient(ctx: Ctx, div: SerialDivider) -> tuple[Value, int]:
     take, diff = compare_subtract(grown, trial)
     with ctx.m.If(ctx.at(div.start)):
         ctx.m.d.sync += [rem.eq(0), root.eq(0)]
-    with ctx.m.If(ctx.during(first, last) & (ctx.step[0] == (first & 1))):
+    # a digit every other clock: ``tock`` is high on the clock after each one
+    tock = Signal(name="root_tock")
+    tick = ctx.during(first, last) & ~tock
+    ctx.m.d.sync += tock.eq(tick)
+    with ctx.m.If(tick):
         ctx.m.d.sync += [rem.eq(Mux(take, diff, grown)), root.eq(Cat(take, root))]
     return signed_value(root), last + 1
 
