@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import tvm
 import tvm.s_tir
 import tvm_ffi
@@ -47,14 +46,13 @@ _STACK_BYTES = 1024
 _MIN_TILE = 8  # a narrower column tile would not fill a vector register
 # Rows whose per-row chain (statistic -> inverse -> multiplier, offset, shift: about
 # a hundred dependent int64 steps) runs as one vector of rows, between their row
-# sums and their element loops; measured on 49152 x 64 int8 rows: 1.7x faster
-# than one row at a time (see _whole_row_blocks and _BLOCK_CACHE_BYTES)
+# sums and their element loops (see _whole_row_blocks).  Measured, int8, one
+# thread, AVX-512 and AVX2 builds on one AMD EPYC: 49152 x 64 1.7x faster than one
+# row at a time; 4096 x 768 1.15-1.29x; 3072 x 1024 and 2048 x 1536 1.1-1.3x;
+# 1024 x 4096 even (its chain is a small part of a row).  A block's rows are read
+# twice, and with rows of 768 they leave a 32 KiB L1 between the two reads; the
+# vector chain still wins.
 ROW_BLOCK = 16
-# A block's rows are read twice (row sums, then elements) next to the per-channel
-# constants: blocking pays only while all of them stay in a 32 KiB L1 between
-# the two reads.  Measured at 4096 x 768 int8 (36 KiB a block): blocked 0.82-0.89x
-# the speed of unblocked; at 1024 x 4096 even; at 49152 x 64 (3 KiB) 1.7x faster.
-_BLOCK_CACHE_BYTES = 32 * 1024
 _VECTOR_BITS = 1024  # vectorized loops are cut into chunks of this many bits: two
 # registers per step on AVX-512, four on AVX2, so the int32 -> int8 narrowing of the
 # norms packs whole registers (measured: fewer shuffles per output than at 512)
@@ -119,19 +117,7 @@ def _row_block(sch: tvm.s_tir.Schedule, per_row: list) -> int:
     computed = {b.__chandle__() for b in sch.get(sch.get_sblock("root")).alloc_buffers}
     chain = [b for b in per_row if not _is_reduction(sch, b)]
     reads_args = any(r.source.__chandle__() not in computed for b in chain for r in sch.get(b).reads)
-    return ROW_BLOCK if chain and not reads_args and _block_bytes(sch) <= _BLOCK_CACHE_BYTES else 1
-
-
-def _block_bytes(sch: tvm.s_tir.Schedule) -> int:
-    """Bytes a block of rows touches between its row sums and its element loops:
-    ROW_BLOCK rows of every (rows, …) argument, and every other argument once."""
-    total = 0
-    for param in sch.mod["main"].params:
-        buf = param.ty
-        dims = [d for d in buf.shape if isinstance(d, tirx.IntImm)]
-        rows = ROW_BLOCK if len(dims) < len(buf.shape) else 1
-        total += rows * int(np.prod([int(d) for d in dims])) * tvm.runtime.DataType(str(buf.dtype)).bits // 8
-    return total
+    return ROW_BLOCK if chain and not reads_args else 1
 
 
 def _whole_row_blocks(sch: tvm.s_tir.Schedule, per_row: list) -> tvm.IRModule:

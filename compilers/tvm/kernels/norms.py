@@ -23,7 +23,10 @@ How :meth:`NormOp._forward`'s stages map to TIR (``rows`` symbolic, N static):
    on schedules that keep it a shift: :func:`_mirrored_scale`);
    mirrored, not called, because they read the per-channel constants through
    ``_xp.const_like`` as whole numpy vectors, and here a channel's constant is
-   one load from an argument buffer.
+   one load from an argument buffer.  Where :func:`_shared_window` proves it
+   exact in the lanes, the per-channel clamp windows become one window for every
+   channel (or no clamp), and the recentring moves into the bias: the element
+   loop reads two per-channel constants instead of four.
 
 Mirrored stages are guarded twice: a kernel is refused for an op class that
 overrides ``_forward``, ``_output`` or ``_scale`` with code this module has not
@@ -103,13 +106,24 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     udt = "u" + dt
     win = op._window
     half_up = cfg.rounding is Round.HALF_UP
-    if half_up:  # see _half_up_output: the clamp in z, the recentring folded into the bias
+    shared = _shared_window(op, rep["z"]) if scale is _scale_multiply else None
+    if shared is not None:  # see _shared_output: one window, the recentring in the bias
+        bounds, gain, bias = shared
+        channel = {"gain": gain, "bias": _wrap(bias, cfg.lanes)}
+        if bounds is not None:
+            channel["window"] = np.array(bounds, dtype=object)
+    elif half_up:  # see _half_up_output: the clamp in z, the recentring folded into the bias
         gain = np.asarray(cfg.gain, dtype=object)
         acc_bias = win.bias.astype(object) - win.off.astype(object) * gain + ((1 << cfg.shift) >> 1)
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "bias": _wrap(acc_bias, cfg.lanes)}
     else:
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "off": win.off, "bias": win.bias}
-    consts = [ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=dt) for k, v in channel.items()]
+    # a gain of 16 bits is read as such and widened by the load (vpmovsxwd on x86):
+    # half the bytes of the constants the element loop streams
+    consts = [
+        ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=dt)
+        for k, v in channel.items()
+    ]
     bufs = {c.name: c.placeholder() for c in consts}
     # What the op's stage functions record, in order: checked against op.ranges() below.
     # Recorded rows take the op's proven bounds (L1's Σ|N·x − S| then sums in int32).
@@ -154,7 +168,9 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         xa = record(trace, "xa", xa.astype(dt))
         k = zshift[r].astype(dt)
         z = record(trace, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
-        if half_up:
+        if shared is not None:
+            acc = _shared_output(z, c, bufs, dt, trace)
+        elif half_up:
             acc = _half_up_output(z, c, bufs, dt, scale, trace)
         else:  # mirror of NormOp._output: clamp window, recentre, scale, bias
             zc = clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)) - load_as(bufs["off"], dt, c)
@@ -170,6 +186,58 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     return Kernel.rowwise(
         op, schedule, x, list(bufs.values()), out, consts, fmt_dtype(cfg.in_fmt), fmt_dtype(cfg.out_fmt), (n,)
     )
+
+
+def _shared_window(op: NormOp, z: Interval) -> tuple[tuple[int, int] | None, np.ndarray, np.ndarray] | None:
+    """One clamp window for every channel, or none, where that is exact in the lanes.
+
+    ``NormOp._output`` clamps z to each channel's window ``[lo_c, hi_c]``: beyond
+    an end the output is saturated anyway (or z never goes there), so the clamp
+    only keeps ``zc·m_c + b_c`` small.  Any wider window gives the same outputs as
+    long as the sum still fits the lanes, because the output is monotone in z and
+    saturated beyond the channel's own window.  So the kernel may clamp every
+    channel to ``[L, H] = [min lo_c, max hi_c]``, or not at all where z's proven
+    range already fits, and read two constants per element instead of four:
+
+    * ``acc = clamp(z, L, H)·g_c + B_c`` with ``g_c = m_c`` and
+      ``B_c = b_c − off_c·m_c (+ 2^(s−1) for half up)``;
+    * a channel whose window is one point (a constant channel: its whole range
+      saturates, or a zero gain) has ``g_c = 0`` and ``B_c`` its constant acc.
+
+    Checked here: ``z·g_c + B_c`` fits the lanes at both ends of the window (it is
+    linear in z), for every channel; otherwise None (the per-channel windows).
+    Returns (window or None for no clamp, g, B) as Python-int arrays.
+    """
+    cfg, win = op.config, op._window
+    half = (1 << cfg.shift) >> 1 if cfg.rounding is Round.HALF_UP else 0
+    lo, hi, off, b = (np.asarray(v, dtype=object) for v in (win.lo, win.hi, win.off, win.bias))
+    m = np.asarray(cfg.gain, dtype=object)
+    point = lo == hi
+    gain = np.where(point, 0, m)
+    bias = np.where(point, (lo - off) * m + b, b - off * m) + half
+    span = ~point
+    window = (int(lo[span].min()), int(hi[span].max())) if span.any() else (0, 0)
+    limit = 1 << (cfg.lanes - 1)
+
+    def fits(ends: tuple[int, int]) -> bool:
+        return all(-limit <= int(v) < limit for e in ends for v in e * gain + bias)
+
+    if fits((z.lo, z.hi)):  # z itself keeps every sum in the lanes: no clamp
+        return None, gain, bias
+    return (window, gain, bias) if fits(window) else None
+
+
+def _shared_output(z: Any, c: Any, bufs: dict[str, te.Tensor], dt: str, trace: Any) -> Any:
+    """``acc`` of ``NormOp._output`` through :func:`_shared_window`'s constants: z
+    clamped to the one window (if any), then ``zc·g_c + B_c`` modulo 2^lanes
+    (unsigned; the true sum is proven to fit, so the wrap is exact).  Recorded
+    under the op's names zc, scaled, acc."""
+    udt = "u" + dt
+    if "window" in bufs:
+        z = clamp(z, load_as(bufs["window"], dt, 0), load_as(bufs["window"], dt, 1))
+    zc = record(trace, "zc", z)
+    scaled = record(trace, "scaled", zc.astype(udt) * load_as(bufs["gain"], dt, c).astype(udt))
+    return record(trace, "acc", (scaled + load_as(bufs["bias"], dt, c).astype(udt)).astype(dt))
 
 
 def _half_up_output(z: Any, c: Any, bufs: dict[str, te.Tensor], dt: str, scale: Callable[..., Any], trace: Any) -> Any:
