@@ -6,6 +6,7 @@ circuit; and the row buffer's collisions are don't-care in the RTLIL synthesis r
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -15,7 +16,7 @@ from amaranth import Module, Signal
 from amaranth.lib.memory import Memory
 
 from compilers import cache
-from compilers.rtl.ecp5 import pack_output_registers
+from compilers.rtl.ecp5 import main, pack_output_registers
 from compilers.rtl.synth import collisions_dont_care, synthesize, to_rtlil
 from compilers.rtl.values import DISCARDED_COLLISIONS
 
@@ -66,6 +67,22 @@ def test_a_block_rams_read_register_moves_into_it() -> None:
     assert ram["parameters"]["REGMODE_B"] == "OUTREG"
     assert ram["connections"]["OCEB"] == [CE]
     assert (ram["connections"]["DOB0"], ram["connections"]["DOB1"]) == ([20], [21])
+
+
+def test_the_command_packs_a_netlist_file_in_place(tmp_path, capsys) -> None:
+    path = tmp_path / "unit.ecp5.json"
+    path.write_text(json.dumps(_netlist(_ram(), **_registers())))
+    assert main([str(path)]) == 0
+    assert set(json.loads(path.read_text())["modules"]["top"]["cells"]) == {"block"}
+    assert "1 output register(s) packed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, why", [("{", "not a readable JSON netlist"), ("[]", "no 'modules'")])
+def test_the_command_refuses_what_is_not_a_netlist_and_leaves_it(tmp_path, capsys, text: str, why: str) -> None:
+    path = tmp_path / "unit.ecp5.json"
+    path.write_text(text)
+    assert main([str(path)]) == 1
+    assert why in capsys.readouterr().err and path.read_text() == text
 
 
 def test_a_products_register_moves_into_the_multiplier() -> None:

