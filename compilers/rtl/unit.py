@@ -57,6 +57,12 @@ class RtlUnit:
     row_length: int  # elements per row (1 for elementwise and neuron units)
     has_first: bool = False
 
+    def __post_init__(self) -> None:
+        # A unit is also built for its timing and ports alone (deploy metadata, the
+        # verify catalogue, a report's unselected units): Amaranth's warning that an
+        # elaboratable was never elaborated is about forgotten hardware, not these.
+        self.elaboratable._MustUse__silence = True  # type: ignore[attr-defined]
+
     @property
     def cycles_per_element(self) -> int:
         return max(1, -(-self.cycles_per_row // self.row_length))
