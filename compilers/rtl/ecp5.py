@@ -162,7 +162,6 @@ def pack_output_registers(netlist: dict[str, Any]) -> int:
     return packed
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Pack the registers of a yosys ECP5 JSON netlist file, in place."""
     parser = argparse.ArgumentParser(

@@ -47,11 +47,11 @@ _MIN_TILE = 8  # a narrower column tile would not fill a vector register
 # Rows whose per-row chain (statistic -> inverse -> multiplier, offset, shift: about
 # a hundred dependent int64 steps) runs as one vector of rows, between their row
 # sums and their element loops (see _whole_row_blocks).  Measured, int8, one
-# thread, AVX-512 and AVX2 builds on one AMD EPYC: 49152 x 64 1.7x faster than one
-# row at a time; 4096 x 768 1.15-1.29x; 3072 x 1024 and 2048 x 1536 1.1-1.3x;
-# 1024 x 4096 even (its chain is a small part of a row).  A block's rows are read
-# twice, and with rows of 768 they leave a 32 KiB L1 between the two reads; the
-# vector chain still wins.
+# thread, against one row at a time: 49152 x 64 1.7x faster (AVX2 host); on an
+# AVX-512 host, 4096 x 768 1.16-1.29x (an x86-64-v3 build there: 0.99-1.38x over
+# two runs), N = 1024-2048 1.07-1.33x, 1024 x 4096 even (its chain is a small part
+# of a row).  A block's rows are read twice, and rows of 768 or more leave a 32 KiB
+# L1 between the two reads; the vector chain still wins.
 ROW_BLOCK = 16
 _VECTOR_BITS = 1024  # vectorized loops are cut into chunks of this many bits: two
 # registers per step on AVX-512, four on AVX2, so the int32 -> int8 narrowing of the
