@@ -107,23 +107,18 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     win = op._window
     half_up = cfg.rounding is Round.HALF_UP
     shared = _shared_window(op, rep["z"]) if scale is _scale_multiply else None
-    if shared is not None:  # see _shared_output: one window, the recentring in the bias
+    if shared is not None:  # see _shared_window: one window or none, the recentring in the bias
         bounds, gain, bias = shared
         channel = {"gain": gain, "bias": _wrap(bias, cfg.lanes)}
         if bounds is not None:
             channel["window"] = np.array(bounds, dtype=object)
-    elif half_up:  # see _half_up_output: the clamp in z, the recentring folded into the bias
+    elif half_up:  # see _folded_output: the clamp in z, the recentring folded into the bias
         gain = np.asarray(cfg.gain, dtype=object)
         acc_bias = win.bias.astype(object) - win.off.astype(object) * gain + ((1 << cfg.shift) >> 1)
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "bias": _wrap(acc_bias, cfg.lanes)}
     else:
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "off": win.off, "bias": win.bias}
-    # a gain of 16 bits is read as such and widened by the load (vpmovsxwd on x86):
-    # half the bytes of the constants the element loop streams
-    consts = [
-        ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=dt)
-        for k, v in channel.items()
-    ]
+    consts = [ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=dt) for k, v in channel.items()]
     bufs = {c.name: c.placeholder() for c in consts}
     # What the op's stage functions record, in order: checked against op.ranges() below.
     # Recorded rows take the op's proven bounds (L1's Σ|N·x − S| then sums in int32).
@@ -168,10 +163,8 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         xa = record(trace, "xa", xa.astype(dt))
         k = zshift[r].astype(dt)
         z = record(trace, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
-        if shared is not None:
-            acc = _shared_output(z, c, bufs, dt, trace)
-        elif half_up:
-            acc = _half_up_output(z, c, bufs, dt, scale, trace)
+        if shared is not None or half_up:
+            acc = _folded_output(z, _clamp_bounds(bufs, dt, c), c, bufs, dt, scale, trace)
         else:  # mirror of NormOp._output: clamp window, recentre, scale, bias
             zc = clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)) - load_as(bufs["off"], dt, c)
             zc = record(trace, "zc", zc)
@@ -227,30 +220,31 @@ def _shared_window(op: NormOp, z: Interval) -> tuple[tuple[int, int] | None, np.
     return (window, gain, bias) if fits(window) else None
 
 
-def _shared_output(z: Any, c: Any, bufs: dict[str, te.Tensor], dt: str, trace: Any) -> Any:
-    """``acc`` of ``NormOp._output`` through :func:`_shared_window`'s constants: z
-    clamped to the one window (if any), then ``zc·g_c + B_c`` modulo 2^lanes
-    (unsigned; the true sum is proven to fit, so the wrap is exact).  Recorded
-    under the op's names zc, scaled, acc."""
-    udt = "u" + dt
+def _clamp_bounds(bufs: dict[str, te.Tensor], dt: str, c: Any) -> tuple[Any, Any] | None:
+    """The window z is clamped to in :func:`_folded_output`: the channel's own ends, the
+    one shared window (:func:`_shared_window`), or None (no clamp)."""
+    if "lo" in bufs:
+        return load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)
     if "window" in bufs:
-        z = clamp(z, load_as(bufs["window"], dt, 0), load_as(bufs["window"], dt, 1))
-    zc = record(trace, "zc", z)
-    scaled = record(trace, "scaled", zc.astype(udt) * load_as(bufs["gain"], dt, c).astype(udt))
-    return record(trace, "acc", (scaled + load_as(bufs["bias"], dt, c).astype(udt)).astype(dt))
+        return load_as(bufs["window"], dt, 0), load_as(bufs["window"], dt, 1)
+    return None
 
 
-def _half_up_output(z: Any, c: Any, bufs: dict[str, te.Tensor], dt: str, scale: Callable[..., Any], trace: Any) -> Any:
-    """``acc + 2^(s-1)`` of ``NormOp._output`` for the half-up rule, in fewer steps.
+def _folded_output(
+    z: Any, bounds: tuple[Any, Any] | None, c: Any, bufs: dict[str, te.Tensor], dt: str,
+    scale: Callable[..., Any], trace: Any,
+) -> Any:
+    """``acc`` of ``NormOp._output`` with the recentring folded into the bias.
 
-    ``(clamp(z) − o)·m + b + 2^(s-1) = clamp(z)·m + (b − o·m + 2^(s-1))``: the
-    recentring and the rounding half fold into one per-channel bias, and the
-    product and sum run modulo 2^lanes (unsigned): clamp(z)·m alone may leave the
-    lanes where β is large, but the sum is the op's proven acc plus the half, which
-    fits, so the wrap is exact.  Recorded under the op's names zc, scaled, acc.
+    ``(clamp(z) − o)·m + b = clamp(z)·m + (b − o·m)``, plus ``2^(s−1)`` for the half-up
+    rule: one per-channel bias (the window's ends per channel, or one shared window or
+    none from :func:`_shared_window`).  The product and sum run modulo 2^lanes
+    (unsigned): ``clamp(z)·m`` alone may leave the lanes where β is large, but the sum
+    is proven to fit, so the wrap is exact.  Recorded under the op's names zc,
+    scaled, acc.
     """
     udt = "u" + dt
-    zc = record(trace, "zc", clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)))
+    zc = record(trace, "zc", z if bounds is None else clamp(z, *bounds))
     scaled = record(trace, "scaled", scale(zc.astype(udt), c, bufs, udt))
     return record(trace, "acc", (scaled + load_as(bufs["bias"], dt, c).astype(udt)).astype(dt))
 
