@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from amaranth.sim import Simulator
 pytest.importorskip("amaranth")
 
 from compilers.rtl import rtl_unit, values
-from compilers.rtl.norm import READ_LATENCY
+from compilers.rtl.norm import READ_LATENCY, WRITE_LATENCY
 from compilers.rtl.sim import simulate
 from compilers.rtl.stream import stream_order
 from compilers.rtl.synth import to_rtlil
@@ -119,6 +121,36 @@ def test_tables_from_bram_min_depth_channels_are_block_ram_roms() -> None:
     roms = rom_memories(deep)
     assert len(roms) == 5 and all(f"size {n} " in rom for rom in roms)
     assert rom_memories(rtl_unit(IntLayerNorm.from_float(np.linspace(0.5, 1.5, n - 1)))) == []
+
+
+def register_outputs(text: str) -> set[str]:
+    """The wires RTLIL's flip-flop cells drive."""
+    return set(re.findall(r"cell \$\w*dff\w* \S+\n(?:    .*\n)*?    connect \\Q \\(\S+)", text))
+
+
+@pytest.mark.parametrize("build", [
+    lambda n: IntLayerNorm.from_float(np.linspace(0.5, 1.5, n)),
+    lambda n: L1LayerNorm.from_float(np.linspace(0.5, 1.5, n)),
+], ids=["int_layernorm", "l1_layernorm"])
+@pytest.mark.parametrize("n", [8, 7])  # the buffer address as wiring, and as a counter
+def test_row_buffer_is_written_from_registers(build, n: int) -> None:
+    """The accept (valid and ready, behind the bank mux) drives registers, and the
+    row buffer's write port reads only them; its first pass hands the bank on no
+    sooner than the last write lands (L1's Σx alone would take no clock)."""
+    unit = rtl_unit(build(n))
+    assert {"wr__en", "wr__addr", "wr__data"} <= register_outputs(to_rtlil(unit.elaboratable, unit.ports))
+    assert unit.elaboratable.pass_depths[0] >= WRITE_LATENCY
+
+
+def test_block_ram_rom_values_pass_two_fabric_registers() -> None:
+    """A ROM's read register, then two registers: the first may become the block's
+    own output register, the second stays by the logic that reads it."""
+    n = values.BRAM_MIN_DEPTH
+    unit = rtl_unit(IntLayerNorm.from_float(np.linspace(0.5, 1.5, n), np.linspace(-0.2, 0.2, n)))
+    regs = register_outputs(to_rtlil(unit.elaboratable, unit.ports))
+    # the second register is named after the table fields it drives ("rom…")
+    assert sum(r.startswith("rom_out") for r in regs) == len(rom_memories(unit)) == 5
+    assert sum(r.startswith("rom") for r in regs) == 2 * 5
 
 
 @pytest.mark.parametrize("name", [c for c in FAMILY_CASES if c.split(".")[0] in {f.name for f in NORMS}])

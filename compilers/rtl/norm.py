@@ -12,7 +12,10 @@ Architecture: a ring of ``B`` row banks (row buffer + per-row registers) that
 the stages walk in order, each bank handed from stage to stage:
 
 * pass 0 — accepts the row's N elements (one per clock), writes them to the
-  bank's buffer and accumulates the sums of pass 0 (Σx, Σx² …); a stage's
+  bank's buffer (WRITE_LATENCY clocks after each accept: the accept drives a
+  register, not every block RAM's enable; S_0 >= WRITE_LATENCY, so the bank is
+  handed on only once its last write has landed) and accumulates the sums of
+  pass 0 (Σx, Σx² …); a stage's
   buffer address is bank·N + element: wiring for N a power of two, else a
   counter of its own (no multiply in front of the RAM);
 * passes 1 … P−1 — re-read the buffer, one element per clock, for sums that
@@ -111,6 +114,9 @@ from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_ex
 
 EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
 READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
+# clocks from an element's accept to its row-buffer write: the accept (valid and ready,
+# behind the bank mux) drives a register, not the enable of every block RAM of the buffer
+WRITE_LATENCY = 1
 MAX_ENGINES = 2  # row engines: enough for one element per clock at N >= 64 (D <= 127)
 
 
@@ -205,7 +211,9 @@ class NormUnit(StreamUnit):
         for p in range(self.passes):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
             depth = max(accumulated_term(acc, s)[1] for s in self.graph.sums if s.term.pass_ == p)
-            passes.append(depth + (READ_LATENCY if p else 0))  # passes after the first read the buffer
+            # passes after the first read the buffer; the first hands its bank on no
+            # sooner than its last element's write has landed
+            passes.append(depth + READ_LATENCY if p else max(depth, WRITE_LATENCY))
         elem = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True, enable=Signal(), roms=[])
         return passes, d, self.y.staged(elem)[1]
 
@@ -313,7 +321,7 @@ class NormUnit(StreamUnit):
                 x: Value = self.in_data
                 step = self.in_valid & self.in_ready
                 m.d.comb += self.in_ready.eq(active[0])
-                m.d.comb += [wr.addr.eq(address(0)), wr.data.eq(self.in_data), wr.en.eq(step)]
+                m.d.sync += [wr.addr.eq(address(0)), wr.data.eq(self.in_data), wr.en.eq(step)]
                 here, bank, going = chan[0], ptr[0], step
                 late = self.pass_depths[p]
             else:

@@ -39,8 +39,11 @@ Block RAM.  A table of at least :data:`BRAM_MIN_DEPTH` channels read in a
 pipeline that collects ROMs (``Ctx.roms``, the norms' output chain) is a
 synchronous ROM (:class:`amaranth.lib.memory.Memory`): its address is the
 channel :data:`ROM_LATENCY` levels early, the memory's own read register holds
-the data, and one fabric register more takes it, so the value the chain reads is
-a plain register (a block RAM's clock-to-out alone fills most of a clock).  Each
+the data, and two fabric registers more take it, so the value the chain reads is
+a plain register (a block RAM's clock-to-out alone fills most of a clock): the
+first may become the block's own output register (ECP5's DP16KD ``OUTREG``, see
+:mod:`compilers.rtl.ecp5`), the second sits by the logic that reads it, so the
+route from the block RAM to that logic is a path of its own.  Each
 table is read once, at the first level that uses it (later readers take it through
 delay registers); the tables first read at one level share one memory, their
 fields side by side, and the read port advances with the pipeline's ``enable``
@@ -116,7 +119,7 @@ DEPTH_BUDGET = 5
 # rows of 64 with its tables as ROMs: xc7 1890 LUT / 1804 FF (1898 / 1796 as muxes),
 # and nextpnr-ecp5 did not route it within 15 minutes (as muxes: 118.5 MHz).
 BRAM_MIN_DEPTH = 256
-ROM_LATENCY = 2  # a block-RAM ROM's address to its value in a fabric register
+ROM_LATENCY = 3  # a block-RAM ROM's address to its value in the second fabric register
 # The attribute of a memory whose unit discards every read that can meet a write to
 # the same address in the same clock (the norm unit's row buffer): synthesis may
 # return anything for such a read (compilers.rtl.synth.to_rtlil), where it would
@@ -270,7 +273,7 @@ class Ctx:
         the first level that uses it (later readers take it through delay registers),
         and the tables first read at one level share one synchronous ROM, side by side.
         Its address is the channel ROM_LATENCY levels early; its read register and
-        one fabric register more advance with ``enable``."""
+        two fabric registers more advance with ``enable``."""
         assert self.roms is not None, "a context without block-RAM ROMs has none to build"
         first: dict[int, tuple[Table, int]] = {}
         for table, level, _ in self.roms:
@@ -293,7 +296,7 @@ class Ctx:
             self.m.d.comb += port.addr.eq(self.delay(self.channel, 0, level - ROM_LATENCY))
             if self.enable is not None:
                 self.m.d.comb += port.en.eq(self.enable)
-            out = self.register(port.data, "rom_out")
+            out = self.register(self.register(port.data, "rom_out"), "rom_near")
             for t, w, off in zip(tables, widths, offsets, strict=True):
                 fields[id(t)] = Signal(t.shape_of(), name="rom_field")
                 self.m.d.comb += fields[id(t)].eq(out[off:off + w])
