@@ -14,6 +14,7 @@ pytest.importorskip("tvm")
 
 from benchmarks import __main__ as runner
 from benchmarks import bench_kernels
+from benchmarks._machine import cpu_model
 from benchmarks._timing import Timing, interleaved, ratio
 
 
@@ -66,3 +67,11 @@ def test_runner_writes_the_report(tmp_path, monkeypatch):
     out = tmp_path / "sub" / "bench.md"
     runner.main(["--out", str(out), "--only", "qat", "kernels"])
     assert out.read_text() == "# qnorm benchmarks\n\nqat kernels\n"
+
+
+def test_the_cpu_is_named_with_its_family_and_model():
+    """A virtual machine's "AMD EPYC" alone does not say which generation ran."""
+    first = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+    second = "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: other\n"
+    assert cpu_model(first + "\n" + second) == "AMD EPYC (family 26, model 2)"
+    assert cpu_model("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
