@@ -43,6 +43,9 @@ from qnorm.qformat import QFormat
 DEFAULT_OUT = QFormat(8, 2.0**-8, False)  # uint8 probabilities in [0, 255/256]
 
 
+# Under torch.compile the op is looked up, not traced: Dynamo would trace past the
+# cache into the derivation (and warn that it skips the cache).
+@torch.compiler.disable
 @functools.lru_cache(maxsize=64)
 def _op(config: ops_softmax.SoftmaxConfig) -> ops_softmax.IntSoftmax:
     """One op per config: deriving its tables costs ~0.1 ms per entry where float64 is unsure."""
