@@ -114,8 +114,8 @@ from qnorm.ops._normcore import NormOp, add_eps, normalize, row_affine, split_ex
 
 EXTRA_BANKS = 3  # row banks beyond P + 1 that hide the row engine's schedule behind short rows
 READ_LATENCY = 2  # clocks from a row buffer address to its element in a register
-# clocks from an element's accept to its row-buffer write: the accept (valid and ready,
-# behind the bank mux) drives a register, not the enable of every block RAM of the buffer
+# clocks from an accept to its row-buffer write (the write port's inputs are one sync
+# register): the accept drives a register, not every block RAM's enable of the buffer
 WRITE_LATENCY = 1
 MAX_ENGINES = 2  # row engines: enough for one element per clock at N >= 64 (D <= 127)
 
