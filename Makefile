@@ -51,7 +51,8 @@ verify-strict: $(STAMP) toolchains
 	$(VPY) -m qnorm.cli verify --strict --target $(STRICT_TARGETS)
 
 # Every benchmark in one process, one run (interleaved loops >= 0.5 s, medians of
-# per-round ratios), written to out/bench.md: kernels (P1, P2), QAT step, compile (P4),
+# per-round ratios), written to out/bench.md: kernels (P1, P2; and at the AVX2 level
+# on an AVX-512 host, in a child process with torch at AVX2), QAT step, compile (P4),
 # transformer latency (compiled vs torch, per-op share).
 bench: $(STAMP)
 	$(VPY) -m benchmarks --out out/bench.md

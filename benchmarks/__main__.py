@@ -23,6 +23,7 @@ from benchmarks._machine import describe
 # name -> module exposing ``section() -> str``, in the order they run
 SECTIONS: dict[str, str] = {
     "kernels": "benchmarks.bench_kernels",  # P1, P2
+    "kernels-avx2": "benchmarks.bench_avx2",  # P1, P2 at the AVX2 level on an AVX-512 host
     "qat": "benchmarks.bench_qat",
     "compile": "benchmarks.bench_compile",  # P4
     "transformer": "benchmarks.bench_transformer",  # latency vs torch, per-op share

@@ -8,6 +8,12 @@ Goals: >= 4x torch float32 on AVX2 hosts, at most 5x the time of the int8 copy o
 every host.  P2: L1LayerNorm against IntLayerNorm (integer L2) at N = 64, 768 and
 4096, goal: L1 not slower.
 
+``--isa avx2`` measures both at the AVX2 level on a host with AVX-512: the kernels
+built for x86-64-v3 (the target resolved as if the CPU listed no AVX-512 flag) and
+torch dispatching its AVX2 kernels, which it does only when the process starts with
+``ATEN_CPU_CAPABILITY=avx2`` (:mod:`benchmarks.bench_avx2` runs it so).  That is an
+AVX2 host's instruction set on this host's cores, caches and clock, not an AVX2 host.
+
 The copy roofline is a TVM-compiled int8 copy kernel scheduled by the same
 row-parallel, vectorized CPU schedule and called the same way: the least any
 kernel of this shape, dtype and calling path can cost.  ``np.copyto`` (a
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,7 +49,7 @@ from compilers.tvm.kernels import kernel_for
 from qnorm.ops import NORMS, IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, load_target
+from qnorm.targets import Target, detect_x86_level, load_target
 
 SHAPES: tuple[tuple[int, int], ...] = ((4096, 768), (1024, 4096), (49152, 64))
 OPS: tuple[type[NormOp], ...] = NORMS
@@ -53,6 +60,46 @@ CHECK_ROWS = 64  # rows checked bit-exact against the golden op before timing
 SEED = 0
 LN_EPS, RMS_EPS = 1e-5, 1e-6
 TVM_COPY, NP_COPY = "int8 copy (TVM)", "np.copyto"
+HOST, AVX2 = "host", "avx2"  # --isa: the host's own level, or AVX2 on an AVX-512 host
+AVX2_LEVEL = "x86-64-v3"
+TORCH_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2"}  # read by torch once, when it starts
+
+
+def without_avx512(cpuinfo: str) -> str:
+    """``cpuinfo`` with every AVX-512 flag removed (what an AVX2 CPU's would list)."""
+    return re.sub(r"\bavx512\w*", "", cpuinfo)
+
+
+def host_cpuinfo() -> str:
+    return Path("/proc/cpuinfo").read_text()
+
+
+def host_has_avx512(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU's flags reach x86-64-v4 (AVX-512), so an AVX2-level run means something."""
+    return detect_x86_level(host_cpuinfo() if cpuinfo is None else cpuinfo)[0] == "x86-64-v4"
+
+
+def isa_target(isa: str, cpuinfo: str | None = None) -> Target:
+    """The x86_64 target at the host's level (``host``) or at x86-64-v3 (``avx2``).
+
+    ``avx2`` refuses a host without AVX2 (its level would be below v3) and a torch
+    that does not dispatch AVX2 kernels (the process must start with
+    ``ATEN_CPU_CAPABILITY=avx2``): either would time another instruction set
+    under the AVX2 label."""
+    if isa == HOST:
+        return load_target("x86_64", cpuinfo=cpuinfo)
+    if isa != AVX2:
+        raise ValueError(f"isa must be {HOST!r} or {AVX2!r}, got {isa!r}")
+    target = load_target("x86_64", cpuinfo=without_avx512(host_cpuinfo() if cpuinfo is None else cpuinfo))
+    if target.tvm.get("mcpu") != AVX2_LEVEL:
+        raise RuntimeError(f"this CPU has no AVX2 (its level without AVX-512 is {target.tvm.get('mcpu')})")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":
+        raise RuntimeError(
+            f"torch dispatches {capability} kernels in this process; an AVX2-level run needs it started "
+            "with ATEN_CPU_CAPABILITY=avx2"
+        )
+    return target
 
 
 def use_threads(threads: int) -> None:
@@ -191,13 +238,32 @@ def _p2_table(results: dict[tuple[int, int], dict[str, Timing]]) -> list[str]:
     return lines
 
 
+def _titles(isa: str) -> tuple[str, str, str, list[str]]:
+    """The section's heading, its P1 and P2 subheadings and what it says about the level."""
+    if isa == HOST:
+        return ("## Kernel throughput (P1, P2)", "### P1: int8 kernels vs torch float32 and vs the int8 copy",
+                "### P2: L1LayerNorm vs IntLayerNorm (integer L2)", [])  # fmt: skip
+    return (
+        "## Kernel throughput at the AVX2 level on this AVX-512 host (P1, P2)",
+        "### AVX2 level, P1: int8 kernels vs torch float32 and vs the int8 copy",
+        "### AVX2 level, P2: L1LayerNorm vs IntLayerNorm (integer L2)",
+        [
+            "Both sides limited to AVX2 in one process: the kernels built for x86-64-v3, torch "
+            "started with `ATEN_CPU_CAPABILITY=avx2` (its AVX2 kernels). An AVX2 host's "
+            "instruction set on this host's cores, caches and clock, not an AVX2 host.",
+        ],
+    )
+
+
 def render(
     results: dict[tuple[int, int], dict[str, Timing]],
     rounds: int,
     min_loop_s: float,
     threads: int,
     target: Target,
+    isa: str = HOST,
 ) -> str:
+    title, p1_title, p2_title, level = _titles(isa)
     clock = "CPU time of the calling thread" if threads == 1 else "wall time"
     p1, met_speed, met_roof = _p1_table(results)
     cases = len(results) * len(OPS)
@@ -207,8 +273,9 @@ def render(
     )
     return "\n".join(
         [
-            "## Kernel throughput (P1, P2)",
+            title,
             "",
+            *level,
             f"Machine: {describe()}; kernels built for `{target.tvm.get('mcpu', '?')}` "
             f"({target.hardware.vector_bits}-bit vectors); TVM {tvm.__version__}, torch "
             f"{torch.__version__}; **{threads} thread{'s' if threads > 1 else ''}** on both sides "
@@ -220,14 +287,14 @@ def render(
             "Copy roofline: a TVM int8 copy kernel with the norm kernels' schedule and calling "
             f"path (np.copyto, one thread, as a cross-check: {copies}).",
             "",
-            "### P1: int8 kernels vs torch float32 and vs the int8 copy",
+            p1_title,
             "",
             *p1,
             "",
             f"Speedup goal met in {met_speed} of {cases} cases; copy-multiple goal met in "
             f"{met_roof} of {cases}.",
             "",
-            "### P2: L1LayerNorm vs IntLayerNorm (integer L2)",
+            p2_title,
             "",
             *_p2_table(results),
         ]
@@ -239,21 +306,33 @@ def section(
     rounds: int = 5,
     min_loop_s: float = 0.5,
     threads: int = 1,
+    isa: str = HOST,
 ) -> str:
-    """The P1/P2 markdown section, measured now."""
-    target = load_target("x86_64")
+    """The P1/P2 markdown section, measured now at ``isa``'s level (:func:`isa_target`)."""
+    target = isa_target(isa)
     results = measure(shapes, rounds, min_loop_s, threads, target)
-    return render(results, rounds, min_loop_s, threads, target)
+    return render(results, rounds, min_loop_s, threads, target, isa)
 
 
-def main() -> None:
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"ROWSxN"`` as (rows, n)."""
+    rows, sep, n = text.partition("x")
+    if not (sep and rows.isdigit() and n.isdigit() and int(rows) > 0 and int(n) > 0):
+        raise argparse.ArgumentTypeError(f"a shape is ROWSxN with positive integers, got {text!r}")
+    return int(rows), int(n)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-loop", type=float, default=0.5, help="seconds per timed loop")
     parser.add_argument("--threads", type=int, default=1, help="threads for torch and TVM alike")
     parser.add_argument("--out", default="out/bench_kernels.md")
-    args = parser.parse_args()
-    text = section(SHAPES, args.rounds, args.min_loop, args.threads)
+    parser.add_argument("--isa", choices=(HOST, AVX2), default=HOST,
+                        help="the host's own level, or AVX2 on an AVX-512 host (start with ATEN_CPU_CAPABILITY=avx2)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=list(SHAPES), metavar="ROWSxN")
+    args = parser.parse_args(argv)
+    text = section(tuple(args.shapes), args.rounds, args.min_loop, args.threads, args.isa)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
     print(text)

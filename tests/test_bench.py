@@ -6,9 +6,14 @@ one.  ``make bench`` runs the real shapes.
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("tvm")
 
@@ -16,6 +21,8 @@ from benchmarks import __main__ as runner
 from benchmarks import bench_kernels
 from benchmarks._machine import cpu_model
 from benchmarks._timing import Timing, interleaved, ratio
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_kernel_section_runs_on_a_tiny_shape():
@@ -75,3 +82,50 @@ def test_the_cpu_is_named_with_its_family_and_model():
     second = "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: other\n"
     assert cpu_model(first + "\n" + second) == "AMD EPYC (family 26, model 2)"
     assert cpu_model("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
+
+
+AVX512_CPU = "processor\t: 0\nflags\t\t: fpu lm sse4_2 popcnt avx avx2 bmi1 bmi2 fma movbe abm f16c xsave avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni\n"
+
+
+def test_the_avx2_level_drops_every_avx512_flag():
+    assert "avx512" not in bench_kernels.without_avx512(AVX512_CPU)
+    assert bench_kernels.host_has_avx512(AVX512_CPU)
+    assert not bench_kernels.host_has_avx512(bench_kernels.without_avx512(AVX512_CPU))
+
+
+def test_an_avx2_level_run_needs_torch_at_avx2_and_a_cpu_with_it(monkeypatch):
+    """Either would time another instruction set under the AVX2 label."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with pytest.raises(RuntimeError, match="ATEN_CPU_CAPABILITY=avx2"):
+        bench_kernels.isa_target(bench_kernels.AVX2, cpuinfo=AVX512_CPU)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert bench_kernels.isa_target(bench_kernels.AVX2, cpuinfo=AVX512_CPU).tvm["mcpu"] == "x86-64-v3"
+    no_avx2 = "processor\t: 0\nflags\t\t: fpu lm cx16 sse4_2 popcnt ssse3 lahf_lm\n"
+    with pytest.raises(RuntimeError, match="no AVX2"):
+        bench_kernels.isa_target(bench_kernels.AVX2, cpuinfo=no_avx2)
+    with pytest.raises(ValueError, match="isa must be"):
+        bench_kernels.isa_target("avx10")
+
+
+def test_the_avx2_level_section_runs_on_a_tiny_shape(tmp_path):
+    """The child process bench_avx2 starts, on one small shape: torch at AVX2, kernels for x86-64-v3."""
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    out = tmp_path / "avx2.md"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_kernels", "--isa", "avx2", "--shapes", "8x64", "--rounds", "1",
+         "--min-loop", "0", "--out", str(out)],
+        cwd=REPO, env={**os.environ, **bench_kernels.TORCH_AVX2}, check=True, capture_output=True,
+    )  # fmt: skip
+    text = out.read_text()
+    assert text.startswith("## Kernel throughput at the AVX2 level")
+    assert "kernels built for `x86-64-v3`" in text and "`ATEN_CPU_CAPABILITY=avx2`" in text
+    assert "### AVX2 level, P1" in text and "| IntLayerNorm | 8×64 |" in text
+    assert "| 8×64 |" in text.split("### AVX2 level, P2")[1]
+
+
+def test_shapes_are_rows_x_n():
+    assert bench_kernels.parse_shape("4096x768") == (4096, 768)
+    for bad in ("4096", "0x8", "ax8", "8x-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ROWSxN"):
+            bench_kernels.parse_shape(bad)

@@ -177,6 +177,7 @@ def fake_bench() -> str:
     kernels = {shape: {n: Timing(n, (1e-3,)) for n in names} for shape in bench_kernels.SHAPES}
     sections = {
         "kernels": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64")),
+        "kernels-avx2": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64"), bench_kernels.AVX2),
         "qat": bench_qat.qat_markdown({k: Timing(k, (1e-3,)) for k in bench_qat.KINDS}),
         "compile": bench_compile.compile_markdown(
             [bench_compile.CompileTiming(name, 1.0, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
