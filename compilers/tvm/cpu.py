@@ -204,7 +204,7 @@ def _column_tile(
 ) -> int | None:
     """Columns per tile, or None to keep whole rows.
 
-    One register of the widest per-element value (8 int64 lanes in 512 bits)
+    :data:`_VECTOR_BITS` of the widest per-element value (32 int32 lanes)
     when that divides the row: every stage then computes one register of
     columns before the next stage reads it, so LLVM keeps the stage buffers in
     registers.  Row-sized stage buffers went to the stack and back instead:
@@ -285,7 +285,7 @@ def _vectorize_across_reduction(
 def _register_lanes(
     sch: tvm.s_tir.Schedule, block: tvm.s_tir.schedule.SBlockRV, loop: tvm.s_tir.schedule.LoopRV
 ) -> tuple[list, tvm.s_tir.schedule.LoopRV]:
-    """``loop`` split into (outer loops, the part to vectorize): one 512-bit register
+    """``loop`` split into (outer loops, the part to vectorize): :data:`_VECTOR_BITS`
     of the block's widest value.
 
     TVM turns a vectorized loop into one vector of its whole extent; LLVM then
@@ -293,7 +293,7 @@ def _register_lanes(
     sequences, which measured 1.3–2.6× slower than register-sized vectors.
     So a loop longer than a register is split (when the register's lanes
     divide it: a tail would need a predicate) and only the inner part is
-    vectorized.  512 bits is one AVX-512 register and two AVX2 ones.
+    vectorized: two AVX-512 registers, four AVX2 ones.
     """
     lanes = max(_VECTOR_BITS // _value_bits(sch.get(block).body), 1)
     extent = int(sch.get(loop).extent)
@@ -304,10 +304,22 @@ def _register_lanes(
 
 
 def _value_bits(store: tirx.Stmt) -> int:
-    """Widest integer type among the values a block computes (not its index arithmetic)."""
+    """Widest integer type among the values a block computes (not its index arithmetic).
+
+    A load cast on the spot counts at the cast's width: the norms' element stage
+    reads its per-row multiplier, offset and shift as int64 and casts them to 32
+    bits, so its lanes are int32.  Counted at int64, those loads halved the
+    element tile to 16 lanes; at 32 lanes the int32 -> int8 narrowing packs four
+    AVX2 registers at a time: x86-64-v3 kernels 1.03-1.10x faster on every norm
+    and shape of ``make bench`` (interleaved A/B, AMD Zen 5 at the AVX2 level),
+    x86-64-v4 ones even (0.96-1.04x over two runs).
+    """
     bits = [8]
 
     def visit(node: Any, visitor: tvm_ffi.StructuralVisitor) -> Any:
+        if isinstance(node, tirx.Cast) and isinstance(node.value, tvm.ir.expr.TensorLoad):
+            bits.append(tvm.runtime.DataType(str(node.ty)).bits)
+            return None
         ty = getattr(node, "ty", None)
         if (
             isinstance(node, tvm.ir.Expr)
