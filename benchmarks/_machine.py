@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
+
+from qnorm.targets import read_cpuinfo
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
@@ -13,10 +14,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     line ("AMD EPYC"), and the numbers tell its generations apart (family 25: Zen 3
     and Zen 4, 26: Zen 5)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = read_cpuinfo()
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         if not line.strip():

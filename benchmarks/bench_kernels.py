@@ -49,7 +49,7 @@ from compilers.tvm.kernels import kernel_for
 from qnorm.ops import NORMS, IntLayerNorm, IntRMSNorm, L1LayerNorm
 from qnorm.ops._normcore import NormOp
 from qnorm.qformat import QFormat
-from qnorm.targets import Target, detect_x86_level, load_target
+from qnorm.targets import Target, detect_x86_level, load_target, read_cpuinfo
 
 SHAPES: tuple[tuple[int, int], ...] = ((4096, 768), (1024, 4096), (49152, 64))
 OPS: tuple[type[NormOp], ...] = NORMS
@@ -63,6 +63,7 @@ TVM_COPY, NP_COPY = "int8 copy (TVM)", "np.copyto"
 HOST, AVX2 = "host", "avx2"  # --isa: the host's own level, or AVX2 on an AVX-512 host
 AVX2_LEVEL = "x86-64-v3"
 TORCH_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2"}  # read by torch once, when it starts
+AVX2_TITLE = "## Kernel throughput at the AVX2 level on this AVX-512 host (P1, P2)"
 
 
 def without_avx512(cpuinfo: str) -> str:
@@ -70,13 +71,9 @@ def without_avx512(cpuinfo: str) -> str:
     return re.sub(r"\bavx512\w*", "", cpuinfo)
 
 
-def host_cpuinfo() -> str:
-    return Path("/proc/cpuinfo").read_text()
-
-
 def host_has_avx512(cpuinfo: str | None = None) -> bool:
     """Whether the CPU's flags reach x86-64-v4 (AVX-512), so an AVX2-level run means something."""
-    return detect_x86_level(host_cpuinfo() if cpuinfo is None else cpuinfo)[0] == "x86-64-v4"
+    return detect_x86_level(read_cpuinfo() if cpuinfo is None else cpuinfo)[0] == "x86-64-v4"
 
 
 def isa_target(isa: str, cpuinfo: str | None = None) -> Target:
@@ -90,7 +87,7 @@ def isa_target(isa: str, cpuinfo: str | None = None) -> Target:
         return load_target("x86_64", cpuinfo=cpuinfo)
     if isa != AVX2:
         raise ValueError(f"isa must be {HOST!r} or {AVX2!r}, got {isa!r}")
-    target = load_target("x86_64", cpuinfo=without_avx512(host_cpuinfo() if cpuinfo is None else cpuinfo))
+    target = load_target("x86_64", cpuinfo=without_avx512(read_cpuinfo() if cpuinfo is None else cpuinfo))
     if target.tvm.get("mcpu") != AVX2_LEVEL:
         raise RuntimeError(f"this CPU has no AVX2 (its level without AVX-512 is {target.tvm.get('mcpu')})")
     capability = torch.backends.cpu.get_cpu_capability()
@@ -244,7 +241,7 @@ def _titles(isa: str) -> tuple[str, str, str, list[str]]:
         return ("## Kernel throughput (P1, P2)", "### P1: int8 kernels vs torch float32 and vs the int8 copy",
                 "### P2: L1LayerNorm vs IntLayerNorm (integer L2)", [])  # fmt: skip
     return (
-        "## Kernel throughput at the AVX2 level on this AVX-512 host (P1, P2)",
+        AVX2_TITLE,
         "### AVX2 level, P1: int8 kernels vs torch float32 and vs the int8 copy",
         "### AVX2 level, P2: L1LayerNorm vs IntLayerNorm (integer L2)",
         [

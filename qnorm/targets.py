@@ -231,7 +231,7 @@ def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
             raise TargetError(
                 f"{path}: {', '.join(host_fields)} = 'host' needs run.method = 'native'"
             )
-        level, vbits = detect_x86_level(_read_cpuinfo() if cpuinfo is None else cpuinfo, path)
+        level, vbits = detect_x86_level(read_cpuinfo() if cpuinfo is None else cpuinfo, path)
         if tvm.get("mcpu") == HOST:
             tvm["mcpu"] = level
         if hw.vector_bits == HOST:
@@ -253,7 +253,8 @@ def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
 # --------------------------------------------------------------------------- host CPU
 
 
-def _read_cpuinfo() -> str:
+def read_cpuinfo() -> str:
+    """The text of /proc/cpuinfo ("" where there is none)."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -21,6 +21,7 @@ from benchmarks import __main__ as runner
 from benchmarks import bench_kernels
 from benchmarks._machine import cpu_model
 from benchmarks._timing import Timing, interleaved, ratio
+from qnorm.targets import cpu_flags, read_cpuinfo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,7 +110,7 @@ def test_an_avx2_level_run_needs_torch_at_avx2_and_a_cpu_with_it(monkeypatch):
 
 def test_the_avx2_level_section_runs_on_a_tiny_shape(tmp_path):
     """The child process bench_avx2 starts, on one small shape: torch at AVX2, kernels for x86-64-v3."""
-    if "avx2" not in Path("/proc/cpuinfo").read_text():
+    if "avx2" not in cpu_flags(read_cpuinfo()):
         pytest.skip("this CPU has no AVX2")
     out = tmp_path / "avx2.md"
     subprocess.run(
@@ -129,3 +130,11 @@ def test_shapes_are_rows_x_n():
     for bad in ("4096", "0x8", "ax8", "8x-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="ROWSxN"):
             bench_kernels.parse_shape(bad)
+
+
+def test_the_avx2_section_says_why_it_did_not_run_on_a_host_without_avx512(monkeypatch):
+    from benchmarks import bench_avx2
+
+    monkeypatch.setattr(bench_avx2, "host_has_avx512", lambda: False)
+    text = bench_avx2.section()
+    assert text.startswith(bench_kernels.AVX2_TITLE) and "has no AVX-512" in text
