@@ -196,6 +196,7 @@ def fake_fpga() -> str:
     families = report.RATIO_FAMILIES
     units = [report.ReportUnit(op, "int8.n64" if op != report.FP16_OP else "n64", None, 64, 1.0)
              for op in (report.L1, report.L2, report.FP16_OP)]  # fmt: skip
+    units += [report.ReportUnit(op, "int8.n64", None, 64, 1.0, datapath=True) for op in (report.L1, report.L2)]
     results = [(u, SynthResult(u.name, fam, Resources(lut=1, ff=1, dsp=1, bram=0, cells={}), 100.0, None, {}, "0",
                                False, 1.0)) for u in units for fam in families]  # fmt: skip
     return report.markdown(results, families)

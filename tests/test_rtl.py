@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -14,12 +15,13 @@ from amaranth.sim import Simulator
 pytest.importorskip("amaranth")
 
 from compilers.rtl import rtl_unit, values
-from compilers.rtl.norm import READ_LATENCY, WRITE_LATENCY
+from compilers.rtl.norm import READ_LATENCY, WRITE_LATENCY, NormUnit
 from compilers.rtl.sim import simulate
 from compilers.rtl.stream import stream_order
 from compilers.rtl.synth import to_rtlil
 from compilers.rtl.values import DSP_BITS, Ctx
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
+from qnorm.ops._normcore import row_affine
 from qnorm.qformat import QFormat
 from qnorm.verify.cases import case_named
 from qnorm.verify.vectors import edge_vectors, random_inputs
@@ -231,3 +233,23 @@ def test_verilator_model_is_bit_exact_on_a_large_stream(name: str, rows: int) ->
     out, cycles = build(unit).run(x.reshape(-1))
     assert np.array_equal(out.reshape(x.shape), op.forward(x))
     assert cycles == unit.latency + x.size  # one element per clock end to end
+
+
+@pytest.mark.parametrize("name", ["l1_layernorm.int8.n64", "int_layernorm.int4.n4", "int_rmsnorm.int4.n7.p05.floor"])
+def test_norm_datapath_alone_computes_the_op_from_given_row_values(name: str) -> None:
+    """The unit without its row engine (the FPGA report's breakdown) is the unit's own
+    datapath: given a row's multiplier, offset and shift on its ports, it streams the
+    op's outputs for rows with those values."""
+    case = case_named(name)
+    op = case.build()
+    unit = NormUnit(op, row_engine=False)
+    assert (unit.passes, unit.row_depth) == (1, 0)
+    row = random_inputs(case, np.random.default_rng(3), 1)[:1]
+    values = [v for v in row_affine(*op.row_inverse(row), op.config, op._mult_shift, None) if not isinstance(v, int)]
+    assert len(values) == len(unit.row_values)  # an uncentred op has no offset: c = 0, no port
+    held = [(port, int(np.asarray(v).item())) for port, v in zip(unit.row_values.values(), values, strict=True)]
+    rows = np.repeat(row, 3, axis=0)
+    whole = rtl_unit(op)
+    alone = dataclasses.replace(whole, elaboratable=unit, latency=unit.latency)
+    out = simulate(alone, rows.reshape(-1), held=held).out.reshape(rows.shape)
+    assert np.array_equal(out, op.forward(rows))

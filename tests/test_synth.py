@@ -327,6 +327,35 @@ def test_the_report_gives_each_result_and_the_p5_ratios() -> None:
     assert "- yosys: Yosys 0.70" in text
 
 
+def test_the_breakdown_gives_each_unit_less_its_datapath_alone() -> None:
+    l1, l2 = _report_unit(report.L1, 64), _report_unit(report.L2, 64)
+    l1_alone = dataclasses.replace(l1, datapath=True)
+    results = [
+        (l1, _result(l1.name, "xc7", 1600, 2000, 7)),
+        (l1_alone, _result(l1_alone.name, "xc7", 400, 500, 3)),
+        (l2, _result(l2.name, "xc7", 1700, 2100, 10)),
+    ]
+    assert l1_alone.name == "l1_layernorm.int8.n64.datapath"
+    assert report.breakdown_rows(results) == [(l1, "xc7", results[0][1].resources, results[1][1].resources)]
+    text = report.markdown(results, ("xc7",))
+    assert "| l1_layernorm.int8.n64 | xc7 | 1600 / 2000 / 7 | 400 / 500 / 3 | 1200 / 1500 / 4 | 75 % / 75 % |" in text
+    assert "l1_layernorm.int8.n64.datapath" not in text  # neither a unit of the main table nor of the ratios
+    assert len(report.ratio_rows(results)) == 1
+    assert "No breakdown" in report.breakdown_table(results[2:])[0]
+
+
+def test_a_datapath_alone_is_synthesized_on_the_ratio_families_without_place_and_route(fresh_cache) -> None:
+    whole = _report_unit(report.L1, 8)
+    alone = dataclasses.replace(whole, datapath=True)
+    results = report.synthesize_all([whole, alone], ("ecp5", "ice40"))
+    assert [(u.name, r.family) for u, r in results] == [
+        (whole.name, "ecp5"), (whole.name, "ice40"), (alone.name, "ecp5"),
+    ]
+    assert results[0][1].fmax_mhz is not None and results[2][1].fmax_mhz is None
+    assert results[0][1].resources == results[2][1].resources  # the same design, counted the same
+    assert results[0][1].key != results[2][1].key  # a result without place and route is an entry of its own
+
+
 def test_without_an_l1_l2_pair_the_report_says_there_is_no_ratio() -> None:
     fp = _report_unit(report.FP16_OP, 64)
     assert report.ratio_rows([(fp, _result(fp.name, "xc7", 400, 100, 0))]) == []

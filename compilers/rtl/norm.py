@@ -150,15 +150,24 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
 
 
 class NormUnit(StreamUnit):
-    """One norm instance as a streaming unit (see the module docstring)."""
+    """One norm instance as a streaming unit (see the module docstring).
 
-    def __init__(self, op: NormOp) -> None:
+    ``row_engine`` False: the unit's datapath alone, for measuring what it costs (the
+    FPGA report's breakdown).  No statistics and no row engine: the input pass only
+    fills the row buffer, and the per-row values the engine would latch (multiplier,
+    offset, shift) are input ports (``row_values``, by slot), taken into a row's bank
+    on the clock the row is issued.  It computes no norm by itself.
+    """
+
+    def __init__(self, op: NormOp, *, row_engine: bool = True) -> None:
         self._MustUse__silence = True  # Amaranth's unused-unit warning: not for a refused op
         self.op = op
         self.n = op.config.n
+        self.row_engine = row_engine
         self.graph, self.y = self._build_graph(op)
         self._MustUse__silence = False
-        self.passes = self.graph.passes()
+        # without the engine, the passes after the first (which feed only it) go too
+        self.passes = self.graph.passes() if row_engine else 1
         self.pass_depths, self.row_depth, self.element_depth = self._depths()
         # a row holds its bank from its first input until its last element is read
         # out, P·N + S + D + N + 2 cycles (S: the passes' pipeline depths): with
@@ -168,6 +177,14 @@ class NormUnit(StreamUnit):
         # engines in turn, so a row's D + 1 clocks fit the N of each of E rows
         self.engines = min(-(-(self.row_depth + 1) // self.n), MAX_ENGINES)
         self._make_streams(op.in_fmt, op.out_fmt)
+        # without the engine: each per-row value the engine would latch, as an input port
+        self.row_values = {} if row_engine else {
+            slot: Signal(signed(rs_bits(v)), name=f"row_value{slot}") for slot, v in self.graph.latched.items()
+        }
+
+    @property
+    def ports(self) -> list[Signal]:
+        return [*super().ports, *self.row_values.values()]
 
     def _build_graph(self, op: NormOp) -> tuple[Graph, Hdl]:
         """The op's stages on HDL values (a unit of another row op overrides this)."""
@@ -188,6 +205,12 @@ class NormUnit(StreamUnit):
         return self.passes * self.n + self._held + READ_LATENCY + self.element_depth + 3
 
     @property
+    def _phases(self) -> tuple[int, int, int]:
+        """A bank's phases (p < P: waiting for, or in, pass p): waiting for the row
+        engine, in it, and waiting for (or in) the output pass; back to 0 once read out."""
+        return self.passes, self.passes + 1, self.passes + 2
+
+    @property
     def _held(self) -> int:
         """S + D: the clocks a row's bank waits, beyond its elements, for its sums
         and the row engine."""
@@ -206,7 +229,7 @@ class NormUnit(StreamUnit):
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
         row = Ctx(m, Signal(8), zero, None, rows, sequential=True)
-        d = max(v.staged(row)[1] for v in self.graph.latched.values())
+        d = max(v.staged(row)[1] for v in self.graph.latched.values()) if self.row_engine else 0
         passes = []
         for p in range(self.passes):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)
@@ -220,9 +243,7 @@ class NormUnit(StreamUnit):
     def elaborate(self, platform: object) -> Module:
         m = Module()
         n, banks, graph, p_count = self.n, self.banks, self.graph, self.passes
-        # bank phases: p = waiting for (or in) pass p; P: for the row engine;
-        # P + 1: in it; P + 2: for (or in) the output pass; back to 0 when read out
-        row_ready, row_busy, out_ready = p_count, p_count + 1, p_count + 2
+        row_ready, _, out_ready = self._phases
         phase = [Signal(range(p_count + 3), name=f"phase{b}") for b in range(banks)]
         stages = p_count + 2  # passes, row issue, output pass: each walks the banks in order
         ptr = [Signal(range(banks), name=f"ptr{s}") for s in range(stages)]
@@ -352,30 +373,12 @@ class NormUnit(StreamUnit):
         # ---- the row engine: the per-row chain's schedule of D clocks, one row at a time
         for slot, v in graph.latched.items():
             slot_regs(slot, rs_bits(v))
-        turn = Signal(range(self.engines), name="engine_turn")  # rows go to the engines in turn
-        for e in range(self.engines):
-            busy = Signal(name=f"engine{e}_busy")
-            bank = Signal(range(banks), name=f"engine{e}_bank")
-            # the row's sums, copied from its bank when the row is issued: the
-            # schedule's first clock reads registers, not the bank mux
-            own = {rs.slot: [Signal.like(rows[rs.slot][0], name=f"engine{e}_sum{rs.slot}")] for rs in graph.sums}
-            ctx = Ctx(m, self.in_data, chan[0], None, own, sequential=True)
-            results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
-            if max(level for _, level in results.values()) != self.row_depth:
-                raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
-            # high on the schedule's last clock D: the schedule's own bit, a register
-            done = ctx.at(self.row_depth)
-            # the engine's next row starts on the clock this one ends
-            issue = active[p_count] & (turn == e) & (~busy | done)
-            ctx.drive_schedule(issue)
-            with m.If(done):
-                for slot, (v, _) in results.items():
-                    m.d.sync += Array(rows[slot])[bank].eq(v)
-                m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
-            with m.If(issue):
-                m.d.sync += [busy.eq(1), bank.eq(ptr[p_count]), turn.eq((e + 1) % self.engines)]
-                m.d.sync += [own[slot][0].eq(Array(rows[slot])[ptr[p_count]]) for slot in own]
-                hand_on(p_count, row_busy)
+        if self.row_engine:
+            self._row_engines(m, rows, phase, ptr[p_count], active[p_count], chan[0], hand_on)
+        else:  # the row's values from the ports, on the clock it is issued
+            with m.If(active[p_count]):
+                m.d.sync += [Array(rows[slot])[ptr[p_count]].eq(port) for slot, port in self.row_values.items()]
+                hand_on(p_count, out_ready)
 
         # ---- output pass: a pipeline of L levels, all stalled while the output waits
         o = p_count + 1
@@ -392,6 +395,38 @@ class NormUnit(StreamUnit):
             m.d.sync += [self.out_data.eq(y), self.out_valid.eq(valid)]
         count(o, step, 0)
         return m
+
+    def _row_engines(self, m: Module, rows: dict[int, list[Signal]], phase: list[Signal], ptr: Value, ready: Value,
+                     channel: Value, hand_on: Callable[[int, int | None], None]) -> None:
+        """The row engines: each takes the row at the issue stage's pointer ``ptr`` when it
+        is ``ready``, in turn, runs the per-row chain's schedule of D clocks and latches
+        the results into the row's bank (phases as in :meth:`elaborate`)."""
+        graph, p_count, banks = self.graph, self.passes, self.banks
+        _, row_busy, out_ready = self._phases
+        turn = Signal(range(self.engines), name="engine_turn")  # rows go to the engines in turn
+        for e in range(self.engines):
+            busy = Signal(name=f"engine{e}_busy")
+            bank = Signal(range(banks), name=f"engine{e}_bank")
+            # the row's sums, copied from its bank when the row is issued: the
+            # schedule's first clock reads registers, not the bank mux
+            own = {rs.slot: [Signal.like(rows[rs.slot][0], name=f"engine{e}_sum{rs.slot}")] for rs in graph.sums}
+            ctx = Ctx(m, self.in_data, channel, None, own, sequential=True)
+            results = {slot: v.staged(ctx) for slot, v in graph.latched.items()}
+            if max(level for _, level in results.values()) != self.row_depth:
+                raise RuntimeError(f"{self.op.name}: the per-row chain's schedule differs from its trial elaboration")
+            # high on the schedule's last clock D: the schedule's own bit, a register
+            done = ctx.at(self.row_depth)
+            # the engine's next row starts on the clock this one ends
+            issue = ready & (turn == e) & (~busy | done)
+            ctx.drive_schedule(issue)
+            with m.If(done):
+                for slot, (v, _) in results.items():
+                    m.d.sync += Array(rows[slot])[bank].eq(v)
+                m.d.sync += [Array(phase)[bank].eq(out_ready), busy.eq(0)]
+            with m.If(issue):
+                m.d.sync += [busy.eq(1), bank.eq(ptr), turn.eq((e + 1) % self.engines)]
+                m.d.sync += [own[slot][0].eq(Array(rows[slot])[ptr]) for slot in own]
+                hand_on(p_count, row_busy)
 
     def _row_counter(self, m: Module, slot_regs: Callable[[int, int], list[Signal]], bank: Value,
                      column: Value) -> dict[str, Value]:

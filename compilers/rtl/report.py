@@ -7,7 +7,11 @@ over rows of 64, a multi-threshold and a folded LIF neuron) and the FP16 LayerNo
 same row lengths.  The table gives, per unit × family, the post-synthesis LUT /
 FF / DSP / BRAM counts, the place-and-route Fmax (ECP5, iCE40), cycles per row and
 elements per second at Fmax; then the P5 ratios (L1 vs integer L2, each vs FP16:
-LUT, FF, DSP on xc7 and ecp5) and the versions of the tools that produced it.
+LUT, FF, DSP on xc7 and ecp5), where the L1 and L2 units' resources go (each
+synthesized again without its statistics passes and row engine, the per-row
+values from ports: :class:`~compilers.rtl.norm.NormUnit` with ``row_engine=False``,
+counts after synthesis on xc7 and ecp5), and the versions of the tools that
+produced it.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import numpy as np
 from amaranth.hdl import Elaboratable
 
 from compilers.rtl.fp16 import FP16LayerNorm
+from compilers.rtl.norm import NormUnit
 from compilers.rtl.synth import (
     FAMILIES,
     PNR_FLAGS,
+    Resources,
     SynthResult,
     synthesize_rtlil,
     to_rtlil,
@@ -68,10 +74,13 @@ class ReportUnit:
     cycles_per_row: int
     elements_per_cycle: float  # sustained, o.ready held high
     ports: tuple[Any, ...] | None = None  # a plain Elaboratable's ports (a component's come from its signature)
+    # the unit's datapath alone (no statistics passes, no row engine): the breakdown's
+    # measurement, synthesized on RATIO_FAMILIES without place and route
+    datapath: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.op}.{self.config}"
+        return f"{self.op}.{self.config}" + (".datapath" if self.datapath else "")
 
     @property
     def row_length(self) -> int | None:
@@ -108,12 +117,26 @@ def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
             case = dataclasses.replace(
                 case, name=name.replace(f"n{case.config['n']}", f"n{length}"), config={**case.config, "n": int(length)}
             )
-        unit = rtl_unit(case.build())
+        built = case.build()
+        unit = rtl_unit(built)
         op, _, config = case.name.partition(".")
         units.append(
             ReportUnit(op, config, unit.elaboratable, unit.cycles_per_row, unit.elements_per_cycle, tuple(unit.ports))
         )
+        if op in (L1, L2):
+            units.append(datapath_unit(op, config, built))
     return units
+
+
+def datapath_unit(op: str, config: str, built: Any) -> ReportUnit:
+    """The norm unit of ``built`` without its statistics passes and row engine (its
+    per-row values from ports): what the row buffer, the banks and the element chain
+    cost alone, so the whole unit's counts less these are the statistics' and the
+    engine's."""
+    unit = NormUnit(built, row_engine=False)
+    unit._MustUse__silence = True  # built for a report that may not select it
+    return ReportUnit(op, config, unit, unit.cycles_per_row, unit.n / unit.cycles_per_row, tuple(unit.ports),
+                      datapath=True)
 
 
 # --------------------------------------------------------------------------- running
@@ -129,10 +152,18 @@ def synthesize_all(
     unit takes minutes per family, so a cold report is that many times shorter.
     """
     texts = [to_rtlil(unit.elaboratable, unit.ports) for unit in units]
-    runs = [(unit, text, family) for unit, text in zip(units, texts, strict=True) for family in families]
+    runs = [
+        (unit, text, family)
+        for unit, text in zip(units, texts, strict=True)
+        for family in families
+        if not unit.datapath or family in RATIO_FAMILIES
+    ]
     pool = ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)))
     try:
-        futures = [pool.submit(synthesize_rtlil, text, unit.name, family) for unit, text, family in runs]
+        futures = [
+            pool.submit(synthesize_rtlil, text, unit.name, family, place=not unit.datapath)
+            for unit, text, family in runs
+        ]
         results = []
         for (unit, _, family), future in zip(runs, futures, strict=True):
             result = future.result()
@@ -166,13 +197,18 @@ def resource_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[st
         "| unit | family | LUT | FF | DSP | BRAM | Fmax (MHz) | cycles/row | Melem/s at Fmax |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for unit, r in results:
+    for unit, r in whole_units(results):
         res = r.resources
         lines.append(
             f"| {unit.name} | {r.family} | {res.lut} | {res.ff} | {res.dsp} | {res.bram} | {_fmax(r)} "
             f"| {unit.cycles_per_row} | {_rate(unit, r)} |"
         )
     return lines
+
+
+def whole_units(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[tuple[ReportUnit, SynthResult]]:
+    """The results of whole units (not a breakdown's datapath alone)."""
+    return [(unit, r) for unit, r in results if not unit.datapath]
 
 
 def _ratio(num: int, den: int) -> str:
@@ -185,7 +221,9 @@ def ratio_rows(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[tuple[
     """P5: per row length and family, (comparison, N, family, count -> ratio) for L1 / L2,
     L1 / FP16 and L2 / FP16, where both units of a pair were synthesized."""
     counts = {
-        (unit.op, unit.row_length, r.family): r.resources for unit, r in results if unit.op in (L1, L2, FP16_OP)
+        (unit.op, unit.row_length, r.family): r.resources
+        for unit, r in whole_units(results)
+        if unit.op in (L1, L2, FP16_OP)
     }
     rows = []
     lengths = sorted({n for _, n, _ in counts if n is not None})
@@ -206,6 +244,41 @@ def ratio_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
         return ["No pair to compare: the report holds no synthesized L1LayerNorm / IntLayerNorm pair."]
     lines = ["| comparison | N | family | LUT | FF | DSP |", "|---|---:|---|---:|---:|---:|"]
     lines += [f"| {what} | {n} | {family} | {r['lut']} | {r['ff']} | {r['dsp']} |" for what, n, family, r in rows]
+    return lines
+
+
+def breakdown_rows(
+    results: Sequence[tuple[ReportUnit, SynthResult]],
+) -> list[tuple[ReportUnit, str, Resources, Resources]]:
+    """(whole unit, family, its counts, its datapath's counts) wherever both were synthesized."""
+    alone = {(unit.op, unit.config, r.family): r.resources for unit, r in results if unit.datapath}
+    return [
+        (unit, r.family, r.resources, alone[(unit.op, unit.config, r.family)])
+        for unit, r in whole_units(results)
+        if (unit.op, unit.config, r.family) in alone
+    ]
+
+
+def _share(part: int, whole: int) -> str:
+    return "—" if whole == 0 else f"{100 * part / whole:.0f} %"
+
+
+def breakdown_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
+    """Per L1 / L2 unit and family: the whole unit, its datapath alone, and the rest (the
+    statistics passes and the row engine) with its share of the whole."""
+    rows = breakdown_rows(results)
+    if not rows:
+        return ["No breakdown: the report holds no L1LayerNorm or IntLayerNorm unit with its datapath alone."]
+    lines = [
+        "| unit | family | whole LUT / FF / DSP | datapath alone | statistics and row engine | their share of LUT / FF |",
+        "|---|---|---|---|---|---|",
+    ]
+    for unit, family, whole, alone in rows:
+        rest = [getattr(whole, c) - getattr(alone, c) for c in RATIO_COUNTS]
+        lines.append(
+            f"| {unit.name} | {family} | {whole.lut} / {whole.ff} / {whole.dsp} | {alone.lut} / {alone.ff} / {alone.dsp} "
+            f"| {rest[0]} / {rest[1]} / {rest[2]} | {_share(rest[0], whole.lut)} / {_share(rest[1], whole.ff)} |"
+        )
     return lines
 
 
@@ -245,6 +318,17 @@ def markdown(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequen
             "",
             *ratio_table(results),
             "",
+            "### Where the L1 and L2 units' resources go",
+            "",
+            (
+                "Each unit synthesized again without its statistics passes and row engine (its per-row "
+                "multiplier, offset and shift from ports): the datapath alone, i.e. the row buffer, the "
+                "banks and the element chain. The whole unit less that is what its statistics and row "
+                "engine take. Counts after synthesis (on ecp5 after its netlist pass), no place and route."
+            ),
+            "",
+            *breakdown_table(results),
+            "",
             "## Families and flows",
             "",
             *family_lines(families),
@@ -264,6 +348,7 @@ def plot(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequence[s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = whole_units(results)
     names = list(dict.fromkeys(unit.name for unit, _ in results))
     by_key = {(unit.name, r.family): r.resources for unit, r in results}
     fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(names) + 2), sharey=True)

@@ -10,9 +10,11 @@ loaded machine): the large random runs use Verilator
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from amaranth.hdl import Signal
 from amaranth.sim import Simulator
 
 from compilers.rtl.unit import RtlUnit
@@ -29,13 +31,15 @@ class SimResult:
 
 
 def simulate(unit: RtlUnit, stream: np.ndarray, first: np.ndarray | None = None,
-             out_stall_every: int = 0, out_ready: np.ndarray | None = None) -> SimResult:
+             out_stall_every: int = 0, out_ready: np.ndarray | None = None,
+             held: Sequence[tuple[Signal, int]] = ()) -> SimResult:
     """Feed ``stream`` (1-D, in the unit's stream order) and read as many outputs.
 
     ``first``: per element, the start-of-sample flag (neuron units).
     ``out_stall_every``: drop ``out_ready`` every k-th cycle (0: never) to
     exercise back-pressure; ``out_ready``: the level of ``out_ready`` per cycle,
-    repeated when the run is longer (random back-pressure).
+    repeated when the run is longer (random back-pressure).  ``held``: other input
+    ports, each with the level it is held at for the whole run.
     """
     dut = unit.elaboratable
     values = [int(v) for v in np.asarray(stream).reshape(-1)]
@@ -48,6 +52,8 @@ def simulate(unit: RtlUnit, stream: np.ndarray, first: np.ndarray | None = None,
 
     async def bench(ctx: object) -> None:
         sent, cycle = 0, 0
+        for port, level in held:
+            ctx.set(port, level)  # type: ignore[attr-defined]
         while len(outs) < len(values):
             if cycle > limit:
                 raise RuntimeError(f"{unit.name}: {len(outs)} of {len(values)} outputs after {cycle} cycles")

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from amaranth.back import rtlil
@@ -326,13 +326,16 @@ def synthesize(
     return synthesize_rtlil(to_rtlil(unit, ports), name, family)
 
 
-def synthesize_rtlil(text: str, name: str, family: str) -> SynthResult:
+def synthesize_rtlil(text: str, name: str, family: str, *, place: bool = True) -> SynthResult:
     """:func:`synthesize` for a unit already converted by :func:`to_rtlil` (a report
-    converts each unit once for all its families)."""
+    converts each unit once for all its families).  ``place`` False: the counts after
+    synthesis (and the family's netlist pass) only, no place and route, no Fmax."""
     try:
         fam = FAMILIES[family]
     except KeyError:
         raise ValueError(f"unknown FPGA family {family!r}; known: {', '.join(FAMILIES)}") from None
+    if not place:
+        fam = replace(fam, pnr=(), pnr_freq_mhz=0)  # and so a cache key of its own
     tools = tools_for(fam)
     key = cache_key(text, fam, tools)
     start = time.perf_counter()
