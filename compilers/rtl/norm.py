@@ -228,8 +228,10 @@ class NormUnit(StreamUnit):
             widths[self.graph.row_slot] = bits_for(0, self.graph.row_period - 1)
         rows = {slot: [Signal(signed(w))] for slot, w in widths.items()}
         zero = Signal(range(2))
-        row = Ctx(m, Signal(8), zero, None, rows, sequential=True)
-        d = max(v.staged(row)[1] for v in self.graph.latched.values()) if self.row_engine else 0
+        d = 0
+        if self.row_engine:
+            row = Ctx(m, Signal(8), zero, None, rows, sequential=True)
+            d = max(v.staged(row)[1] for v in self.graph.latched.values())
         passes = []
         for p in range(self.passes):
             acc = Ctx(m, Signal(fmt_shape(self.op.in_fmt)), zero, zero, rows, pipelined=True)

@@ -40,6 +40,7 @@ from compilers.rtl.synth import (
 )
 from compilers.rtl.unit import rtl_unit
 from qnorm.errors import UsageError
+from qnorm.ops._normcore import NormOp
 
 # The integer ops' configurations, as verify cases; "@768" is the case with rows of 768
 # (every 768-wide unit is spelled so, which is how --quick leaves them all out).
@@ -128,7 +129,7 @@ def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
     return units
 
 
-def datapath_unit(op: str, config: str, built: Any) -> ReportUnit:
+def datapath_unit(op: str, config: str, built: NormOp) -> ReportUnit:
     """The norm unit of ``built`` without its statistics passes and row engine (its
     per-row values from ports): what the row buffer, the banks and the element chain
     cost alone, so the whole unit's counts less these are the statistics' and the
