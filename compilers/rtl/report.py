@@ -7,7 +7,7 @@ over rows of 64, a multi-threshold and a folded LIF neuron) and the FP16 LayerNo
 same row lengths.  The table gives, per unit × family, the post-synthesis LUT /
 FF / DSP / BRAM counts, the place-and-route Fmax (ECP5, iCE40), cycles per row and
 elements per second at Fmax; then the P5 ratios (L1 vs integer L2, each vs FP16:
-LUT, FF, DSP on xc7 and ecp5), where the L1 and L2 units' resources go (each
+LUT, FF, DSP on xc7 and ecp5), where the four norm units' resources go (each
 synthesized again without its statistics passes and row engine, the per-row
 values from ports: :class:`~compilers.rtl.norm.NormUnit` with ``row_engine=False``,
 counts after synthesis on xc7 and ecp5), and the versions of the tools that
@@ -124,7 +124,7 @@ def op_units(quick: bool, case_named: Callable[[str], Any]) -> list[ReportUnit]:
         units.append(
             ReportUnit(op, config, unit.elaboratable, unit.cycles_per_row, unit.elements_per_cycle, tuple(unit.ports))
         )
-        if op in (L1, L2):
+        if type(unit.elaboratable) is NormUnit:  # the four norms (not the softmax's row unit)
             units.append(datapath_unit(op, config, built))
     return units
 
@@ -265,11 +265,11 @@ def _share(part: int, whole: int) -> str:
 
 
 def breakdown_table(results: Sequence[tuple[ReportUnit, SynthResult]]) -> list[str]:
-    """Per L1 / L2 unit and family: the whole unit, its datapath alone, and the rest (the
+    """Per norm unit and family: the whole unit, its datapath alone, and the rest (the
     statistics passes and the row engine) with its share of the whole."""
     rows = breakdown_rows(results)
     if not rows:
-        return ["No breakdown: the report holds no L1LayerNorm or IntLayerNorm unit with its datapath alone."]
+        return ["No breakdown: the report holds no norm unit with its datapath alone."]
     lines = [
         "| unit | family | whole LUT / FF / DSP | datapath alone | statistics and row engine | their share of LUT / FF |",
         "|---|---|---|---|---|---|",
@@ -319,7 +319,7 @@ def markdown(results: Sequence[tuple[ReportUnit, SynthResult]], families: Sequen
             "",
             *ratio_table(results),
             "",
-            "### Where the L1 and L2 units' resources go",
+            "### Where the norm units' resources go",
             "",
             (
                 "Each unit synthesized again without its statistics passes and row engine (its per-row "
