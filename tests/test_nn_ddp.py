@@ -27,12 +27,15 @@ T, BATCH, FEATURES, C = 3, 16, 5, 4  # BATCH: the global batch; each rank takes 
 TIMEOUT_S = 150
 STAT_BUFFERS = [
     "inq.running_max_abs",
+    "inq.format_max_abs",
     "lif.running_mean",
     "lif.running_var",
     "lif.input_quant.running_max_abs",
+    "lif.input_quant.format_max_abs",
     "act.running_mean",
     "act.running_var",
     "act.input_quant.running_max_abs",
+    "act.input_quant.format_max_abs",
 ]
 
 

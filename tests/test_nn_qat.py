@@ -126,6 +126,45 @@ def test_state_dict_carries_the_calibration():
     assert b.input_quant.fmt == a.input_quant.fmt and torch.equal(a(x), b(x))
 
 
+def test_the_format_follows_the_running_range_outside_a_dead_band():
+    """The format moves only when the running range leaves ±tolerance of the range it
+    was made from; tolerance 0 follows every step (the running range itself)."""
+    banded, every = InputQuantizer(bits=8, momentum=0.5), InputQuantizer(bits=8, momentum=0.5, tolerance=0)
+    assert banded.tolerance == 1 / 32
+    for q in (banded, every):
+        q(torch.tensor([2.0]))
+    # dyadic values: every running range is exact; the first step ends on the band's edge
+    steps = ((2.125, 2.0625, 2.0), (2.25, 2.15625, 2.15625), (2.15625, 2.15625, 2.15625), (2.0625, 2.109375, 2.15625))
+    for peak, running, held in steps:
+        banded(torch.tensor([peak])), every(torch.tensor([peak]))
+        assert float(banded.running_max_abs) == float(every.running_max_abs) == running
+        assert float(banded.format_max_abs) == held and banded.fmt == QFormat(8, held / 127)
+        assert every.fmt == QFormat(8, running / 127)
+    banded(torch.tensor([1.5]))  # running 1.8046875: more than 1/32 below 2.15625
+    assert float(banded.format_max_abs) == 1.8046875
+    for bad in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="tolerance must be a number in"):
+            InputQuantizer(tolerance=bad)
+
+
+def test_a_state_saved_before_the_dead_band_keeps_its_format():
+    """A version-1 state dict (no format_max_abs) made its format from the running range."""
+    layer = IntLayerNorm(8)
+    layer(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    old = layer.state_dict()
+    old["input_quant.format_max_abs"] = torch.tensor(0.0, dtype=torch.float64)  # a different value: not read
+    del old["input_quant.format_max_abs"]
+    old._metadata["input_quant"]["version"] = 1
+    old["input_quant.running_max_abs"] = torch.tensor(2.5, dtype=torch.float64)
+    fresh = IntLayerNorm(8)
+    fresh.load_state_dict(old)
+    assert float(fresh.input_quant.format_max_abs) == 2.5 and fresh.input_quant.fmt == QFormat(8, 2.5 / 127)
+    current = layer.state_dict()
+    del current["input_quant.format_max_abs"]  # a version-2 state without it is incomplete: refused
+    with pytest.raises(RuntimeError, match="format_max_abs"):
+        IntLayerNorm(8).load_state_dict(current)
+
+
 # --------------------------------------------------------------------------- batch statistics
 
 

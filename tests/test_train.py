@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qnorm.train import checkpoint as ckpt
@@ -319,6 +319,52 @@ def test_checkpoint_shape_mismatch_names_tensors(saved, tmp_path):
         ckpt.load_checkpoint(saved, build_model("snn", channels=(16, 32, 32)))
     with pytest.raises(ValueError, match="does not exist"):
         ckpt.load_checkpoint(tmp_path / "nowhere")
+
+
+def _as_version_2(d, running_scale=1.0):
+    """Rewrite checkpoint ``d`` as version 2 wrote it: no format_max_abs tensors (optionally
+    with every running range scaled, a calibration the format must follow)."""
+    state = load_file(str(d / ckpt.WEIGHTS))
+    held = [k for k in state if k.endswith("format_max_abs")]
+    for k in held:
+        del state[k]
+    for k in state:
+        if k.endswith("running_max_abs"):
+            state[k] = state[k] * running_scale
+    save_file(state, str(d / ckpt.WEIGHTS))
+    meta = json.loads((d / ckpt.META).read_text())
+    meta["version"] = 2
+    meta["weights"] = {"bytes": (d / ckpt.WEIGHTS).stat().st_size, "sha256": ckpt._sha256(d / ckpt.WEIGHTS)}
+    (d / ckpt.META).write_text(json.dumps(meta))
+    return held
+
+
+def test_a_version_2_checkpoint_loads_with_its_formats(tmp_path):
+    """Version 2 made each input format from the running range: loaded so, its golden ops
+    re-derive as recorded; a version-3 checkpoint without format_max_abs is refused."""
+    model = build_model("transformer", norm="int_ln")
+    model(load_digits_data(model.input_layout).train.tensors[0][:16])  # training mode: calibrates
+    saved = ckpt.save_checkpoint(model, tmp_path / "saved")
+    for name in ("v2", "moved", "v3"):
+        (tmp_path / name).mkdir()
+    held = _as_version_2(_copy(saved, tmp_path / "v2"))
+    assert len(held) == 5  # the transformer's five norms calibrate their input
+    old, meta = ckpt.load_checkpoint(tmp_path / "v2")
+    assert meta["version"] == 2
+    for k in held:
+        running = k.replace("format_max_abs", "running_max_abs")
+        assert torch.equal(old.state_dict()[k], old.state_dict()[running])
+    _as_version_2(_copy(saved, tmp_path / "moved"), running_scale=1.5)  # its formats are other ones
+    with pytest.raises(ValueError, match="does not reproduce|differ"):
+        ckpt.load_checkpoint(tmp_path / "moved")
+    directory = _copy(saved, tmp_path / "v3")
+    _as_version_2(directory)
+    _edit_meta(directory, lambda meta: meta.update(version=3))
+    with pytest.raises(ValueError, match="missing tensors: .*format_max_abs"):
+        ckpt.load_checkpoint(directory)
+    _edit_meta(directory, lambda meta: meta.update(version=1))
+    with pytest.raises(ValueError, match="unsupported version 1, this code reads versions 2, 3"):
+        ckpt.load_checkpoint(directory)
 
 
 def _edit_meta(d, edit):

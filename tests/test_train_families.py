@@ -110,7 +110,7 @@ def test_pow2_is_a_constructor_argument_outside_the_state(make):
     plain, pow2 = make(False), make(True)
     assert not plain.input_quant.pow2 and pow2.input_quant.pow2
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in pow2.state_dict().items()}
-    pow2.input_quant.running_max_abs.fill_(3.25)  # calibrated: 3.25 / 127 rounds up to 2^-5
+    pow2.input_quant.set_range(3.25)  # calibrated: 3.25 / 127 rounds up to 2^-5
     assert pow2.input_quant.fmt.scale == 2.0**-5
 
 

@@ -161,6 +161,20 @@ class InputQuantizer(nn.Module):
     quantizer refuses one whose format differs; a calibrating quantizer adopts it.
     Rounding of float input is half up (qnorm's default, :meth:`QFormat.quantize`).
 
+    **The format follows the range with a dead band.**  The format is made from
+    ``format_max_abs``, which takes the running range's value only when that moves
+    more than ``tolerance`` (relative, default 1/32) away from it; within the band
+    the scale, and so the golden op, stay as they are.  A layer re-derives its
+    golden op exactly in every forward whose format or parameters changed, and the
+    format's part of that (the range analysis of the new ε in input units) is its
+    largest cost: with momentum 0.1 the running range moves ~0.4 % per step, so
+    following it every step re-derives every step, while the band re-derives the
+    format every ~25 steps (digits transformer).  The format's range is then at most
+    ``tolerance`` off the running one: up to 3 % of the integer range unused, or
+    values up to 3 % beyond it saturated.  ``tolerance = 0`` follows every step.
+    A state dict saved before the band existed (version 1) has no
+    ``format_max_abs``: it is the running range, the format that state used.
+
     ``pow2``: the calibrated scale is rounded *up* to a power of two (so max |x| still
     fits).  A power-of-two scale makes ``x / scale`` exact in any float format, which
     is what lets a compiled float graph around the layer reproduce its integers
@@ -184,7 +198,9 @@ class InputQuantizer(nn.Module):
     """
 
     running_max_abs: torch.Tensor
+    format_max_abs: torch.Tensor
     max_jump: float = 2.0**10
+    _version = 2  # 2: format_max_abs (the dead band); a version-1 state's format is its running range
 
     def __init__(
         self,
@@ -194,18 +210,23 @@ class InputQuantizer(nn.Module):
         signed: bool = True,
         momentum: float = 0.1,
         pow2: bool = False,
+        tolerance: float = 1 / 32,
     ) -> None:
         super().__init__()
         if fmt is not None and not isinstance(fmt, QFormat):
             raise ValueError(f"fmt must be a QFormat or None, got {type(fmt).__name__}")
         if not 0.0 < momentum <= 1.0:
             raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
         self.fixed = fmt
         self.bits, self.signed = (fmt.bits, fmt.signed) if fmt is not None else (bits, signed)
         self.hi = QFormat(self.bits, 1.0, self.signed).hi  # also validates bits
         self.momentum = momentum
         self.pow2 = bool(pow2)
+        self.tolerance = float(tolerance)
         self.register_buffer("running_max_abs", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("format_max_abs", torch.zeros((), dtype=torch.float64))
         self._qt_fmt: QFormat | None = None
         self.sync_stats, self.process_group = True, None  # see the class docstring
 
@@ -216,7 +237,7 @@ class InputQuantizer(nn.Module):
             return self.fixed
         if self._qt_fmt is not None:
             return self._qt_fmt
-        peak = float(self.running_max_abs)
+        peak = float(self.format_max_abs)
         if peak <= 0:
             return None
         scale = peak / self.hi
@@ -245,6 +266,13 @@ class InputQuantizer(nn.Module):
         dequant = exact_float(ints, x.dtype) * fmt.scale
         return QuantizedInput(ints, fmt, x, dequant, exact_float(inside, x.dtype))
 
+    def set_range(self, max_abs: float) -> None:
+        """Set the calibrated range: the running max |x| and the format's, both ``max_abs``."""
+        if not (isinstance(max_abs, (int, float)) and math.isfinite(max_abs) and max_abs >= 0):
+            raise ValueError(f"max_abs must be a finite number >= 0, got {max_abs!r}")
+        self.running_max_abs.fill_(max_abs)
+        self.format_max_abs.fill_(max_abs)
+
     def _calibrate_on(self, x: torch.Tensor, peak: float) -> None:
         """Update the calibration with the batch max |x| (``peak``, from the finiteness
         check's extremes), the max over all ranks under torch.distributed."""
@@ -268,9 +296,22 @@ class InputQuantizer(nn.Module):
             )
         new = batch_max if old == 0.0 else (1.0 - self.momentum) * old + self.momentum * batch_max
         self.running_max_abs.fill_(new)
+        held = float(self.format_max_abs)
+        if held == 0.0 or abs(new - held) > self.tolerance * held:
+            self.format_max_abs.fill_(new)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *args: Any
+    ) -> None:
+        """A version-1 state (no dead band) made its format from the running range: so does its copy."""
+        running, held = prefix + "running_max_abs", prefix + "format_max_abs"
+        if local_metadata.get("version", 1) < 2 and running in state_dict and held not in state_dict:
+            state_dict[held] = state_dict[running].clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
 
     def extra_repr(self) -> str:
         if self.fixed is not None:
             return f"fmt={self.fixed}"
         pow2 = ", power-of-two scale" if self.pow2 else ""
-        return f"bits={self.bits}, signed={self.signed}, calibrated (momentum={self.momentum}{pow2})"
+        band = f", tolerance={self.tolerance:g}"
+        return f"bits={self.bits}, signed={self.signed}, calibrated (momentum={self.momentum}{band}{pow2})"

@@ -16,7 +16,10 @@ from qnorm.errors import CheckpointError, CheckpointNotFoundError
 WEIGHTS = "weights.safetensors"
 META = "meta.json"
 FORMAT = "qnorm.checkpoint"
-VERSION = 2  # 2: the model spec is checksummed field by field
+# 2: the model spec is checksummed field by field; 3: input quantizers save the range their format
+# is made from (format_max_abs); a version-2 checkpoint made it from running_max_abs, and loads so
+VERSION = 3
+READABLE = (2, 3)
 
 
 def checkpoint_dir(directory: str | Path) -> Path:
@@ -40,9 +43,9 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {directory}: {path} is not valid JSON: {err}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory}: {path} is not a {FORMAT} file")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE:
         raise CheckpointError(f"checkpoint {directory}: unsupported version {meta.get('version')!r}, "
-                              f"this code reads version {VERSION}")
+                              f"this code reads versions {', '.join(map(str, READABLE))}")
     for key, kind in (("model", dict), ("model_checksums", dict), ("metadata", dict), ("modules", dict),
                       ("weights", dict)):
         if not isinstance(meta.get(key), kind):
