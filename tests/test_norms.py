@@ -17,6 +17,7 @@ from qnorm.ops import (
     L1LayerNorm,
     ShiftLayerNorm,
 )
+from qnorm.ops import _normcore
 from qnorm.ops.shiftnorm import mantissa_table
 from qnorm.qformat import QFormat
 from qnorm.report import gaussian_rows, input_format, output_format
@@ -300,6 +301,24 @@ def test_op_specific_validation():
         IntLayerNorm.from_float(g, mant_bits=30, inv_bits=16)
     with pytest.raises(ValueError, match="needs a RMSNormConfig"):
         IntRMSNorm(IntLayerNorm.from_float(g).config, IntLayerNorm.from_float(g).params)
+
+
+def test_the_derivation_cache_keeps_every_check():
+    """from_float caches what it derives without γ and β (per format, ε, F_z and options):
+    warm and cold derivations give equal configs, and a value equal to a cached one but
+    of a type the validation refuses (True == 1) is still refused."""
+    g = np.linspace(0.5, 1.5, 8)
+    IntRMSNorm.from_float(g, partial=1.0)
+    IntLayerNorm.from_float(g, frac_bits=1)
+    with pytest.raises(ValueError, match="partial must be a number in"):
+        IntRMSNorm.from_float(g, partial=True)
+    with pytest.raises(ValueError, match="frac_bits must be an integer"):
+        IntLayerNorm.from_float(g, frac_bits=True)
+    for cls in (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm):
+        warm = [cls.from_float(g * k, g - 1, 1e-5, QFormat(8, 0.03 * k)).config for k in (1, 2, 1)]
+        _normcore.row_cache_clear()
+        cold = [cls.from_float(g * k, g - 1, 1e-5, QFormat(8, 0.03 * k)).config for k in (1, 2, 1)]
+        assert warm == cold and warm[0] == warm[2] and warm[0] != warm[1]
 
 
 def test_overflow_prone_configs_are_refused_naming_the_intermediate():

@@ -706,7 +706,9 @@ def row_key(cfg: NormConfig) -> tuple[Any, ...]:
     moved pays one exact analysis (the bisection in :func:`mult_shift` and
     :func:`shifts_of`'s once-per-config base keep it short), and every forward
     whose scale did not move — a fixed ``in_fmt``, a power-of-two scale (``pow2``),
-    an IntQuantTensor's scale, eval — hits."""
+    a calibrating quantizer's steps inside its dead band (``InputQuantizer.tolerance``:
+    its format moves every ~25 steps, not every step), an IntQuantTensor's scale,
+    eval — hits."""
     return (type(cfg), cfg.in_fmt.bits, cfg.in_fmt.signed, *(getattr(cfg, f) for f in _row_fields(type(cfg))))
 
 
@@ -777,9 +779,76 @@ def raw_statistic(op_cls: type[NormOp], cfg: NormConfig) -> tuple[tuple[tuple[st
 
 
 def row_cache_clear() -> None:
-    """Forget every cached row analysis (tests use it to compare cold and warm)."""
+    """Forget every cached row analysis and derivation structure (tests use it to
+    compare cold and warm)."""
     _cached_row_analysis.cache_clear()
     _cached_raw_statistic.cache_clear()
+    _cached_structure.cache_clear()
+
+
+STRUCTURE_CACHE_SIZE = 64  # each entry holds tuples of N zeros: bounded for N up to 65536
+
+
+def _structure(op_cls: type[NormOp], key: tuple[Any, ...], eps: float | None = None,
+               frac_bits: int | None = None) -> NormConfig:  # fmt: skip
+    """What :meth:`NormOp._build` derives without γ and β, cached per argument.
+
+    ``key = (n, in_fmt, out_fmt, mant_bits, rounding, lanes, op fields)``.  Without
+    ``eps``: the config with zero gains, biases, ε and F_z (validated, so a config
+    refused by its fields raises here).  With ``eps`` and ``frac_bits``: the config with
+    F_z and ε_int = round(ε_S 2^(p g)) for the guard g of :func:`eps_guard_bits`,
+    lowered while the row analysis refuses the config (g = 0 is the plain integer ε;
+    raises if that is refused too).  Neither depends on γ or β, and a training step
+    re-derives its op from new γ and β with the same format and ε: the cache spares
+    it the validation and the guard search (the row analysis is cached on its own).
+    Arguments that do not hash (an option passed as a list) are derived uncached."""
+    typed = _typed(key), _typed(eps), _typed(frac_bits)
+    try:
+        hash(typed)
+    except TypeError:
+        return _cached_structure.__wrapped__(op_cls, typed)
+    return _cached_structure(op_cls, typed)
+
+
+def _typed(value: Any) -> Any:
+    """``value`` with the type of every scalar in it beside the scalar: the cache's key.
+    Equal values of other types must not share an entry (``partial=True`` equals
+    ``partial=1.0`` and hashes alike, but the first is refused by the validation)."""
+    if isinstance(value, tuple):
+        return tuple(_typed(v) for v in value)
+    return type(value), value
+
+
+def _untyped(value: Any) -> Any:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
+        return value[1]
+    return tuple(_untyped(v) for v in value)
+
+
+@functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
+def _cached_structure(op_cls: type[NormOp], typed: tuple[Any, ...]) -> NormConfig:
+    key, eps, frac_bits = _untyped(typed)
+    n, in_fmt, out_fmt, mant_bits, rounding, lanes, op_items = key
+    zeros = (0,) * n
+    cfg = op_cls.config_cls(
+        n=n, in_fmt=in_fmt, out_fmt=out_fmt, gain=zeros, shift=0, bias=zeros, eps=0,
+        frac_bits=0 if frac_bits is None else frac_bits, mant_bits=mant_bits, rounding=rounding, lanes=lanes,
+        **dict(op_items),
+    )  # fmt: skip
+    if eps is None:
+        return cfg
+    eps_s = cfg.eps_exact(eps)
+    g = eps_guard_bits(eps_s, op_cls._raw_stat_hi(cfg), cfg.p)
+    while True:
+        # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
+        cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
+        try:
+            op_cls.row_analysis(cfg)
+            return cfg
+        except OverflowRiskError:
+            if g == 0:
+                raise
+            g -= 1
 
 
 class NormOp(IntOp):
@@ -893,22 +962,11 @@ class NormOp(IntOp):
         constructing it would run), its row part from the cache.
         """
         params = FloatParams.checked(gamma, beta, eps)
-        n = params.gamma.size
-        zeros = (0,) * n
-        base = cls.config_cls(
-            n=n,
-            in_fmt=in_fmt,
-            out_fmt=out_fmt,
-            gain=zeros,
-            shift=0,
-            bias=zeros,
-            eps=0,
-            frac_bits=0,
-            mant_bits=cls.config_cls.default_mant_bits if mant_bits is None else mant_bits,
-            rounding=rounding,
-            lanes=default_lanes(in_fmt, out_fmt) if lanes is None else lanes,
-            **op_fields,
-        )
+        key = (
+            params.gamma.size, in_fmt, out_fmt, cls.config_cls.default_mant_bits if mant_bits is None else mant_bits,
+            rounding, default_lanes(in_fmt, out_fmt) if lanes is None else lanes, tuple(sorted(op_fields.items())),
+        )  # fmt: skip
+        base = _structure(cls, key)
         real_gain = params.gamma * base.gain_factor() / out_fmt.scale
         if frac_bits is None:
             frac_bits = default_frac_bits(real_gain, base.inv_frac_bits)
@@ -919,19 +977,10 @@ class NormOp(IntOp):
         # (a gain that then falls below the multiplier's LSB is a constant channel).
         max_shift = min(59, base.lanes - 3) - out_fmt.bits
         gain, shift = cls._quantize_gain(np.ldexp(real_gain, -frac_bits), mult_bits, max_shift)
-        cfg = replace(base, gain=gain, shift=shift, frac_bits=frac_bits)
-        eps_s = cfg.eps_exact(params.eps)
-        g = eps_guard_bits(eps_s, cls._raw_stat_hi(cfg), cfg.p)
-        while True:
-            # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
-            cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
-            try:
-                z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
-                break
-            except OverflowRiskError:
-                if g == 0:
-                    raise
-                g -= 1
+        # The multipliers are N Python ints of mult_bits (<= 32) bits and 0 <= shift <= max_shift
+        # (_quantize_gain's contract): valid by construction; F_z and ε were checked by _structure.
+        cfg = derived_config(_structure(cls, key, params.eps, frac_bits), gain=gain, shift=shift)
+        z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
         bias = _output_bias(params.beta, cfg, max(-z.lo, z.hi))
         # n Python ints; the check left is int64's range (the exact path can exceed it: refused by replace)
         fits = -(1 << 63) <= min(bias) and max(bias) < 1 << 63
