@@ -802,32 +802,25 @@ def _structure(op_cls: type[NormOp], key: tuple[Any, ...], eps: float | None = N
     re-derives its op from new γ and β with the same format and ε: the cache spares
     it the validation and the guard search (the row analysis is cached on its own).
     Arguments that do not hash (an option passed as a list) are derived uncached."""
-    typed = _typed(key), _typed(eps), _typed(frac_bits)
+    args = key, eps, frac_bits
     try:
-        hash(typed)
+        hash(args)
     except TypeError:
-        return _cached_structure.__wrapped__(op_cls, typed)
-    return _cached_structure(op_cls, typed)
+        return _cached_structure.__wrapped__(op_cls, (), args)
+    return _cached_structure(op_cls, _typed(args), args)
 
 
 def _typed(value: Any) -> Any:
-    """``value`` with the type of every scalar in it beside the scalar: the cache's key.
-    Equal values of other types must not share an entry (``partial=True`` equals
-    ``partial=1.0`` and hashes alike, but the first is refused by the validation)."""
-    if isinstance(value, tuple):
-        return tuple(_typed(v) for v in value)
-    return type(value), value
-
-
-def _untyped(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
-        return value[1]
-    return tuple(_untyped(v) for v in value)
+    """The type of every scalar in ``value``, nested as ``value`` is: beside the values, the
+    cache's key.  Equal values of other types must not share an entry (``partial=True``
+    equals ``partial=1.0`` and hashes alike, but the validation refuses the first)."""
+    return tuple(_typed(v) for v in value) if isinstance(value, tuple) else type(value)
 
 
 @functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
-def _cached_structure(op_cls: type[NormOp], typed: tuple[Any, ...]) -> NormConfig:
-    key, eps, frac_bits = _untyped(typed)
+def _cached_structure(op_cls: type[NormOp], types: Any, args: tuple[Any, ...]) -> NormConfig:
+    """:func:`_structure` of ``args``; ``types`` (their :func:`_typed`) only keys the cache."""
+    key, eps, frac_bits = args
     n, in_fmt, out_fmt, mant_bits, rounding, lanes, op_items = key
     zeros = (0,) * n
     cfg = op_cls.config_cls(
