@@ -267,7 +267,9 @@ class InputQuantizer(nn.Module):
         return QuantizedInput(ints, fmt, x, dequant, exact_float(inside, x.dtype))
 
     def set_range(self, max_abs: float) -> None:
-        """Set the calibrated range: the running max |x| and the format's, both ``max_abs``."""
+        """Set the calibrated range: the running max |x| and the format's, both ``max_abs``
+        (a write to ``running_max_abs`` alone moves the format only once the next training
+        batch takes the running range out of the dead band)."""
         if not (isinstance(max_abs, (int, float)) and math.isfinite(max_abs) and max_abs >= 0):
             raise ValueError(f"max_abs must be a finite number >= 0, got {max_abs!r}")
         self.running_max_abs.fill_(max_abs)
