@@ -1,11 +1,14 @@
-"""The norm kernels' output stage with one clamp window for every channel, or none.
+"""The norm kernels' output stage with one clamp window for every channel, or none,
+or on 16-bit lanes.
 
 ``norm_kernel`` replaces the op's per-channel clamp windows by one shared window
 (or no clamp where z's range allows) where :func:`_shared_window` proves the sums
-stay in the lanes.  Checked here: the shared constants give the op's
-``_output`` on every z of the proven range (each z inside the window, a stride
-beyond it, where the output is saturated or constant), the kernels pick the
-cheapest form that is proven, and the compiled kernels stay bit-exact.
+stay in the lanes, and runs the stage on 16-bit lanes (the high half of zc·m_c)
+where :func:`_high_half` proves that exact.  Checked here: the shared and the 16-bit
+constants give the op's ``_output`` on every z of the proven range (each z inside
+the window, a stride beyond it, where the output is saturated or constant), the
+kernels pick the cheapest form that is proven, and the compiled kernels stay
+bit-exact.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 tvm = pytest.importorskip("tvm")
 
 from compilers.tvm.kernels import kernel_for
-from compilers.tvm.kernels.norms import _shared_window
+from compilers.tvm.kernels.norms import HIGH_HALF, _high_half, _shared_window
 from qnorm.fixedpoint import Round, clamp, rshift_round, saturate
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.qformat import QFormat
@@ -28,27 +31,33 @@ INT8 = QFormat(8, 0.05)
 BEYOND_STRIDE = 97  # z beyond the window: a stride (the clamp holds them all at an end)
 
 
-def trained_op(cls: type, n: int, rounding: Round = Round.HALF_UP) -> Any:
-    """γ ≈ 1 with some negative and one zero, β ≈ 0 with two channels that saturate."""
+def trained_op(cls: type, n: int, rounding: Round = Round.HALF_UP, bias: bool = True) -> Any:
+    """γ ≈ 1 with some negative and one zero, β ≈ 0 with two channels that saturate
+    (no β for RMSNorm or ``bias=False``)."""
     rng = np.random.default_rng(n)
     gamma = rng.normal(1.0, 0.1, n)
     gamma[::17] *= -1.0
     gamma[5] = 0.0
     beta = rng.normal(0.0, 0.1, n)
     beta[7], beta[9] = 40.0, -40.0  # constant channels: their whole range saturates
-    return cls.from_float(gamma, None if cls is IntRMSNorm else beta, 1e-5, in_fmt=INT8, rounding=rounding)
+    return cls.from_float(gamma, beta if bias and cls is not IntRMSNorm else None, 1e-5, in_fmt=INT8, rounding=rounding)
 
 
 def form(op: Any) -> str:
-    names = {p.name for p in kernel_for(op).mod["main"].params}
-    return "per channel" if "lo" in names else "shared" if "window" in names else "no clamp"
+    kernel = kernel_for(op)
+    names = {p.name for p in kernel.mod["main"].params}
+    if "lo" in names:
+        return "per channel"
+    if "window" in names:
+        return "shared"
+    return "16-bit" if {str(c.dtype) for c in kernel.consts} == {HIGH_HALF} else "no clamp"
 
 
 CASES = [
     (IntLayerNorm, 256, Round.HALF_UP, "no clamp"),
     (ShiftLayerNorm, 384, Round.HALF_UP, "no clamp"),
     (IntLayerNorm, 768, Round.HALF_UP, "shared"),
-    (IntRMSNorm, 768, Round.HALF_UP, "shared"),
+    (IntRMSNorm, 768, Round.HALF_UP, "16-bit"),  # no β: every B_c is the rounding half
     (IntLayerNorm, 768, Round.HALF_EVEN, "shared"),
     (L1LayerNorm, 768, Round.HALF_UP, "per channel"),  # its sign-flipped gains leave the lanes
 ]
@@ -84,4 +93,30 @@ def test_shared_constants_give_the_ops_output_on_every_z(cls, n, rounding, expec
 def test_shared_window_kernels_are_bit_exact(cls):
     op = trained_op(cls, 768)
     rng = np.random.default_rng(768)
+    check_kernel(op, edge_rows(INT8, 768, 768), random_rows(INT8, 768, 32, rng))
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, IntRMSNorm, L1LayerNorm])
+def test_the_16_bit_stage_gives_the_ops_output_on_every_z(cls):
+    """Without β the output stage runs on 16-bit lanes: z saturated to int16, the high half
+    of zc·m_c, plus B_c / 2^16, shifted by s − 16: the op's own outputs on every z; with β
+    (B_c not on the 2^16 grid) the kernel keeps the int32 stage."""
+    op = trained_op(cls, 768, bias=False)
+    cfg, z_range = op.config, op.ranges()["z"]
+    high = _high_half(cfg, z_range, _shared_window(op, z_range))
+    assert high is not None and form(op) == "16-bit"
+    assert (form(trained_op(cls, 768)) == "16-bit") == (cls is IntRMSNorm)  # RMSNorm has no β
+    m, b_high = (np.asarray(v, dtype=np.int64) for v in high)
+    inside = np.arange(-(1 << 15) - 2, (1 << 15) + 2)
+    beyond = np.arange(z_range.lo, z_range.hi + 1, BEYOND_STRIDE)
+    zs = np.unique(np.concatenate([inside, beyond, [z_range.lo, z_range.hi]]))
+    zs = zs[(zs >= z_range.lo) & (zs <= z_range.hi)]
+    for chunk in np.array_split(zs, max(1, len(zs) // 2048)):
+        z = np.repeat(chunk[:, None], cfg.n, axis=1)
+        zc = np.clip(z, -(1 << 15), (1 << 15) - 1)
+        acc = ((zc * m) >> 16) + b_high
+        assert np.abs(acc).max() < 1 << 15
+        got = saturate(acc >> (cfg.shift - 16), cfg.out_fmt.bits, cfg.out_fmt.signed)
+        np.testing.assert_array_equal(got, op._output(z, None))
+    rng = np.random.default_rng(7)
     check_kernel(op, edge_rows(INT8, 768, 768), random_rows(INT8, 768, 32, rng))
