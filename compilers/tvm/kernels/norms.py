@@ -60,7 +60,7 @@ from compilers.tvm.primitives import staged_compute, staged_compute_many
 from compilers.tvm.schedules import CPU, Schedule
 from qnorm.analysis import Interval
 from qnorm.fixedpoint import Round, clamp, rshift_round, saturate
-from qnorm.ops._normcore import NormOp, add_eps, row_affine, split_exponent
+from qnorm.ops._normcore import NormConfig, NormOp, add_eps, row_affine, split_exponent
 from qnorm.ops.base import record
 from qnorm.ops.shiftnorm import ShiftLayerNorm, signed_term
 
@@ -124,8 +124,8 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "bias": _wrap(acc_bias, cfg.lanes)}
     else:
         channel = {**scale_consts(op), "lo": win.lo, "hi": win.hi, "off": win.off, "bias": win.bias}
-    lanes = {k: HIGH_HALF if high is not None and k in ("gain", "bias") else dt for k in channel}
-    consts = [ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=lanes[k]) for k, v in channel.items()]
+    lanes = HIGH_HALF if high is not None else dt  # the 16-bit stage reads only its gain and bias
+    consts = [ChannelConst(k, np.asarray(v, dtype=np.int64), lanes=lanes) for k, v in channel.items()]
     bufs = {c.name: c.placeholder() for c in consts}
     # What the op's stage functions record, in order: checked against op.ranges() below.
     # Recorded rows take the op's proven bounds (L1's Σ|N·x − S| then sums in int32).
@@ -231,9 +231,10 @@ def _shared_window(op: NormOp, z: Interval) -> tuple[tuple[int, int] | None, np.
 
 
 HIGH_HALF = "int16"  # the lanes of the output stage where _high_half allows it
+HIGH_LIMIT = 1 << 15  # int16's magnitude bound
 
 
-def _high_half(cfg: Any, z: Interval, shared: tuple[Any, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+def _high_half(cfg: NormConfig, z: Interval, shared: tuple[Any, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
     """The output stage's constants for 16-bit lanes, ``(m_c, B_c / 2^16)``, where that is
     exact; else None.
 
@@ -254,7 +255,7 @@ def _high_half(cfg: Any, z: Interval, shared: tuple[Any, np.ndarray, np.ndarray]
     """
     window, gain, bias = shared
     lo, hi = window if window is not None else (z.lo, z.hi)
-    limit = 1 << 15
+    limit = HIGH_LIMIT
     m = [int(v) for v in gain]
     b = [int(v) for v in bias]
     if cfg.shift < 16 or not -limit <= lo <= hi < limit or any(v % (1 << 16) for v in b):
@@ -274,8 +275,7 @@ def _high_half_output(z: Any, c: Any, bufs: dict[str, te.Tensor], trace: Any) ->
     multiplied, shifted right by 16: the form LLVM lowers to ``vpmulhw``), plus
     ``B_c / 2^16``.  Recorded under the op's names zc, scaled, acc: scaled and acc in
     units of 2^16."""
-    limit = 1 << 15
-    zc = record(trace, "zc", clamp(z, -limit, limit - 1)).astype(HIGH_HALF)
+    zc = record(trace, "zc", clamp(z, -HIGH_LIMIT, HIGH_LIMIT - 1)).astype(HIGH_HALF)
     product = zc.astype("int32") * load_as(bufs["gain"], "int32", c)
     scaled = record(trace, "scaled", (product >> 16).astype(HIGH_HALF))
     return record(trace, "acc", scaled + load_as(bufs["bias"], HIGH_HALF, c))
