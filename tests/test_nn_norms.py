@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from qnorm.analysis import OverflowRiskError
 from qnorm.nn import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm, register_training_kinds
+from qnorm.nn.norms import surrogate_eps
 from qnorm.ops._normcore import DEFAULT_OUT
 from qnorm.qformat import QFormat
 
@@ -198,6 +199,31 @@ def test_gradients_follow_the_float_op(kind):
         print(f"[measured] {kind} d/d{name}: cos {cos:.5f}")
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0
         assert cos > MIN_COS, (name, cos)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_eps_keeps_gradients_finite_on_rows_of_zero_statistic(kind):
+    """With ε = 0 the float op is 0/0 on a row of equal values (RMSNorm: zeros; partial
+    RMSNorm: a zero prefix), which the integer op handles (a statistic of 0 counts as 1).
+    The surrogate takes one unit of the op's statistic as its ε there, so no gradient is
+    NaN; the forward stays the golden op's, and ε > 0 keeps the layer's own."""
+    n = 8
+    layer = make_layer(kind, n, eps=0.0, in_fmt=QFormat(8, 0.05))
+    x = rows((4, n), seed=9)
+    x[0] = 0.0  # every norm's statistic is 0
+    x[1] = 0.7  # LayerNorm family: equal values; RMSNorm: a large statistic
+    x[2, :2] = 0.0  # partial RMSNorm (prefix 2): a zero prefix
+    x.requires_grad_()
+    y = layer(x)
+    assert torch.equal(y, golden_output(layer, layer.input_quant.fmt, x))
+    params = [p for p in (layer.weight, layer.bias) if p is not None]
+    grads = torch.autograd.grad((y * torch.linspace(-1, 1, n)).sum(), [x, *params])
+    assert all(torch.isfinite(g).all() for g in grads)
+    op = layer.golden()
+    assert surrogate_eps(op, 0.0) == float(1 / op.config.eps_exact(1.0)) > 0
+    assert surrogate_eps(op, 1e-5) == 1e-5
+    # the layer's float reference keeps ε = 0: its value is NaN on the zero row
+    assert torch.isnan(layer.float_forward(x.detach())[0]).all()
 
 
 def test_saturated_outputs_pass_no_gradient():

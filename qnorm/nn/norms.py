@@ -37,6 +37,10 @@ pass in the backward).  Per layer the surrogate is
 * IntRMSNorm: ``F.rms_norm``; with ``partial = p < 1`` the partial RMS norm whose
   mean square comes from the first ``k = ceil(p N)`` elements of each row.
 
+With ``eps = 0`` the surrogates take one unit of the golden op's statistic as their ε
+(:func:`surrogate_eps`): the float op is 0/0 on a row of equal values, which the
+integer op handles, and its NaN gradient would reach every parameter.
+
 The layers are the norm kinds ``int_ln``, ``l1``, ``shift``, ``shift1`` (one-term
 mantissa) and ``int_rms`` of :mod:`qnorm.nn.kinds`, by which models and conversions
 choose them.
@@ -89,6 +93,21 @@ def _prove_config(
     """``op_cls.from_float`` with unit γ (raises for a config it refuses).  Cached: a
     model's norms mostly share a config, and one derivation costs ~5-20 ms at N = 768-4096."""
     op_cls.from_float(np.ones(n), None, eps, fmt, out_fmt, rounding=rounding, **dict(options))
+
+
+def surrogate_eps(op: NormOp, eps: float) -> float:
+    """The ε of the surrogate's float op: the layer's, or where that is 0, one unit of the
+    golden op's statistic in real units (``1 / eps_exact(1)``: ε is linear in it).
+
+    With ε = 0 the float op divides by its statistic, which is 0 on a row whose values
+    are all equal (all zero for RMSNorm, or its first k for partial RMSNorm): its value
+    and every gradient through it would be NaN, and the optimizer would write NaN into
+    γ, β and every layer before.  The integer op has no such row: a statistic of 0
+    counts as 1 (:func:`~qnorm.ops._normcore.split_exponent`), so one unit is the
+    smallest statistic it divides by, and the surrogate's gradient stays finite where
+    the integer output is defined.  On other rows one unit moves the surrogate's statistic by at most one part
+    in the statistic itself."""
+    return eps if eps > 0 else float(1 / op.config.eps_exact(1.0))
 
 
 class IntNorm(QATModule):
@@ -194,7 +213,7 @@ class IntNorm(QATModule):
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
         ints = self._element_chain(op)(q.ints)
         # fresh: the surrogate ends in a clamp (_surrogate), whose backward reads only its input
-        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(), q, params, fresh=True)
+        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(op), q, params, fresh=True)
         return to_output(y, op.out_fmt, self.return_quant_tensor, self.training)
 
     def _element_chain(self, op: NormOp) -> ElementChain:
@@ -206,21 +225,22 @@ class IntNorm(QATModule):
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The unquantized float op on ``x`` with the float γ, β, ε (no rounding, no clip)."""
-        return self._float_op(x, self.weight, self.bias)
+        return self._float_op(x, self.weight, self.bias, self.eps)
 
-    def _surrogate(self) -> Surrogate:
+    def _surrogate(self, op: NormOp) -> Surrogate:
         lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
         has_w, has_b = self.weight is not None, self.bias is not None
+        eps = surrogate_eps(op, self.eps)
 
         def surrogate(xd: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
             w = params[0] if has_w else None
             b = params[has_w] if has_b else None
-            return self._float_op(xd, w, b).clamp(lo, hi)
+            return self._float_op(xd, w, b, eps).clamp(lo, hi)
 
         return surrogate
 
-    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, w, b, eps)
 
     def _check_dtype(self, x: torch.Tensor | Any) -> None:
         """Refuse an input whose float dtype differs from γ's.
@@ -287,9 +307,9 @@ class L1LayerNorm(IntNorm):
 
     op_cls = ops.L1LayerNorm
 
-    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         dev = x - x.mean(dim=-1, keepdim=True)
-        y = dev / (SQRT_HALF_PI * dev.abs().mean(dim=-1, keepdim=True) + self.eps)
+        y = dev / (SQRT_HALF_PI * dev.abs().mean(dim=-1, keepdim=True) + eps)
         y = y * w if w is not None else y
         return y + b if b is not None else y
 
@@ -358,9 +378,9 @@ class IntRMSNorm(IntNorm):
     def _op_options(self) -> dict[str, Any]:
         return {"partial": self.partial}
 
-    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         if self.prefix == self.channels:
-            return F.rms_norm(x, self.normalized_shape, w, self.eps)
+            return F.rms_norm(x, self.normalized_shape, w, eps)
         ms = (x[..., : self.prefix] ** 2).mean(dim=-1, keepdim=True)
-        y = x / torch.sqrt(ms + self.eps)
+        y = x / torch.sqrt(ms + eps)
         return y * w if w is not None else y
