@@ -325,9 +325,12 @@ def test_overflow_prone_configs_are_refused_naming_the_intermediate():
     # 16-bit inputs, N = 2^17: N·Σx² reaches 2^64
     with pytest.raises(OverflowRiskError, match="'n_sum_sq'"):
         IntLayerNorm.from_float(np.ones(1 << 17), in_fmt=QFormat(16, 1.0))
-    # an ε of 10^30 real units is beyond any integer statistic
-    with pytest.raises(OverflowRiskError, match="'stat'"):
-        IntRMSNorm.from_float(np.ones(8), eps=1e30)
+    # an ε of 10^30 real units is beyond any integer statistic: the refusal names ε (the
+    # advice to shorten the row or narrow the formats would not help), its cause 'stat'
+    for cls in (IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm):
+        with pytest.raises(OverflowRiskError, match=r"eps = 1e\+30 is \d+ in units .* lower eps") as refused:
+            cls.from_float(np.ones(8), eps=1e30)
+        assert "'stat'" in str(refused.value.__cause__)
     # a 32-bit accumulator target cannot run int8 LayerNorm over 768 elements
     op = IntLayerNorm.from_float(np.ones(768), in_fmt=QFormat(8, 0.05))
     with pytest.raises(OverflowRiskError, match=r"'n_sum_sq' spans \[0, 9663676416\], which needs 35 bits"):

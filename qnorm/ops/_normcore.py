@@ -831,17 +831,31 @@ def _cached_structure(op_cls: type[NormOp], types: Any, args: tuple[Any, ...]) -
     if eps is None:
         return cfg
     eps_s = cfg.eps_exact(eps)
-    g = eps_guard_bits(eps_s, op_cls._raw_stat_hi(cfg), cfg.p)
+    stat_hi = op_cls._raw_stat_hi(cfg)
+    g = eps_guard_bits(eps_s, stat_hi, cfg.p)
     while True:
         # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
         cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
         try:
             op_cls.row_analysis(cfg)
             return cfg
-        except OverflowRiskError:
+        except OverflowRiskError as err:
+            if g == 0 and cfg.eps > stat_hi:
+                raise OverflowRiskError(_eps_too_large(op_cls, cfg, eps, stat_hi)) from err
             if g == 0:
                 raise
             g -= 1
+
+
+def _eps_too_large(op_cls: type[NormOp], cfg: NormConfig, eps: float, stat_hi: int) -> str:
+    """The refusal of a config whose W = S + ε_int leaves 63 bits because of ε alone: the
+    generic advice (a shorter row, narrower formats) would not help there."""
+    return (
+        f"{op_cls.name}: eps = {eps!r} is {cfg.eps} in units of the statistic at input scale "
+        f"{cfg.in_fmt.scale!r} (N = {cfg.n}), more than any row's own statistic ({stat_hi}), and "
+        f"statistic + eps does not fit 63-bit integers; eps is far outside the input's range: "
+        f"lower eps or use a larger input scale"
+    )
 
 
 class NormOp(IntOp):
