@@ -154,6 +154,8 @@ def test_mask_padding_sets_the_code_from_lengths_or_a_key_mask():
         ({"inv_bits": 4}, "inv_bits"),
         ({"lanes": 16}, "lanes"),
         ({"causal": True, "causal_offset": -64}, "masks every column"),
+        # the defaults cannot hold this output's precision in 32-bit lanes: the output is named
+        ({"out_fmt": QFormat(8, 2.0**-15)}, r"output LSB of 2\^-15 needs exp_bits >= 17 .* or lanes=64"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_problem(kwargs, message):

@@ -148,6 +148,12 @@ class SoftmaxConfig:
             object.__setattr__(self, "inv_bits", fo + extra)
         if self.exp_bits is None:  # what the lanes leave beside R: e·r <= 2^(F+R) in lanes − 1 bits
             object.__setattr__(self, "exp_bits", min(f_bits, lanes - 3 - self.inv_bits))
+            if self.exp_bits < fo + 2:  # name the cause: the user chose the output, not F
+                raise ValueError(
+                    f"an output LSB of 2^-{fo} needs exp_bits >= {fo + 2} beside inv_bits = {self.inv_bits}, "
+                    f"more than {lanes}-bit lanes hold (exp_bits + inv_bits <= {lanes - 3}): use a coarser "
+                    f"output scale or lanes=64"
+                )
         if self.sum_guard is None:
             object.__setattr__(self, "sum_guard", guard)
         # F >= f + 2 and R >= f + 4 keep y <= 2^f + 1 (the range analysis' proof)
