@@ -137,7 +137,7 @@ def test_in_graph_surrogate_gradients_equal_the_backward_pass_surrogate(kind, ca
     layer.eval()  # the calibration the forward above made, frozen
     q = layer.quantize_input(x)
     op = layer.golden(q.fmt)
-    want_y = exact_forward(torch.from_numpy(op.forward(q.ints.numpy())), op.out_fmt.scale, layer._surrogate(), q, params)
+    want_y = exact_forward(torch.from_numpy(op.forward(q.ints.numpy())), op.out_fmt.scale, layer._surrogate(op), q, params)
     want = torch.autograd.grad((want_y - target).square().sum(), [x, *params])
     assert torch.equal(y, want_y)
     if not calibrated:  # a calibrated range covers the batch; the fixed one clips some inputs
