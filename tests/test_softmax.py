@@ -156,6 +156,7 @@ def test_mask_padding_sets_the_code_from_lengths_or_a_key_mask():
         ({"causal": True, "causal_offset": -64}, "masks every column"),
         # the defaults cannot hold this output's precision in 32-bit lanes: the output is named
         ({"out_fmt": QFormat(8, 2.0**-15)}, r"output LSB of 2\^-15 needs exp_bits >= 17 .* or lanes=64"),
+        ({"out_fmt": QFormat(16, 2.0**-22)}, r"2\^-22 needs exp_bits >= 24, above the default 22 of 64-bit"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_problem(kwargs, message):

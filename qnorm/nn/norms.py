@@ -105,8 +105,8 @@ def surrogate_eps(op: NormOp, eps: float) -> float:
     γ, β and every layer before.  The integer op has no such row: a statistic of 0
     counts as 1 (:func:`~qnorm.ops._normcore.split_exponent`), so one unit is the
     smallest statistic it divides by, and the surrogate's gradient stays finite where
-    the integer output is defined.  On other rows one unit moves the surrogate's statistic by at most one part
-    in the statistic itself."""
+    the integer output is defined.  A row whose statistic is W units gets 1/W of it
+    added: little on any row that is not nearly constant."""
     return eps if eps > 0 else float(1 / op.config.eps_exact(1.0))
 
 

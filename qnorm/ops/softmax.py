@@ -86,6 +86,21 @@ DEFAULT_BITS = {32: (15, 8, 6), 64: (22, 8, 8)}
 MANTISSA_EXTRA = 2  # S's mantissa keeps R + 2 bits: its rounding costs r a quarter of its own
 
 
+def _exp_bits_short(fo: int, inv_bits: int, lanes: int, default: int) -> str:
+    """Why the default F is below the f + 2 an output LSB of 2^-f needs: the lanes, or the
+    default's own cap."""
+    if lanes - 3 - inv_bits < fo + 2:
+        wider = " or lanes=64" if lanes < LANES[-1] else ""
+        return (
+            f"an output LSB of 2^-{fo} needs exp_bits >= {fo + 2} beside inv_bits = {inv_bits}, more than "
+            f"{lanes}-bit lanes hold (exp_bits + inv_bits <= {lanes - 3}): use a coarser output scale{wider}"
+        )
+    return (
+        f"an output LSB of 2^-{fo} needs exp_bits >= {fo + 2}, above the default {default} of {lanes}-bit "
+        f"lanes: use a coarser output scale, or pass an exp_bits, sum_guard and inv_bits that hold it"
+    )
+
+
 @dataclass(frozen=True)
 class SoftmaxConfig:
     """IntSoftmax's integer configuration (validated, immutable).
@@ -148,12 +163,8 @@ class SoftmaxConfig:
             object.__setattr__(self, "inv_bits", fo + extra)
         if self.exp_bits is None:  # what the lanes leave beside R: e·r <= 2^(F+R) in lanes − 1 bits
             object.__setattr__(self, "exp_bits", min(f_bits, lanes - 3 - self.inv_bits))
-            if self.exp_bits < fo + 2:  # name the cause: the user chose the output, not F
-                raise ValueError(
-                    f"an output LSB of 2^-{fo} needs exp_bits >= {fo + 2} beside inv_bits = {self.inv_bits}, "
-                    f"more than {lanes}-bit lanes hold (exp_bits + inv_bits <= {lanes - 3}): use a coarser "
-                    f"output scale or lanes=64"
-                )
+            if self.exp_bits < fo + 2:  # name the cause: the caller chose the output, not F
+                raise ValueError(_exp_bits_short(fo, self.inv_bits, lanes, f_bits))
         if self.sum_guard is None:
             object.__setattr__(self, "sum_guard", guard)
         # F >= f + 2 and R >= f + 4 keep y <= 2^f + 1 (the range analysis' proof)
