@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qnorm.analysis import OverflowRiskError
+from qnorm.fixedpoint import Round
 from qnorm.nn import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm, register_training_kinds
 from qnorm.nn.norms import surrogate_eps
 from qnorm.ops._normcore import DEFAULT_OUT
@@ -224,6 +227,38 @@ def test_zero_eps_keeps_gradients_finite_on_rows_of_zero_statistic(kind):
     assert surrogate_eps(op, 1e-5) == 1e-5
     # the layer's float reference keeps ε = 0: its value is NaN on the zero row
     assert torch.isnan(layer.float_forward(x.detach())[0]).all()
+
+
+@given(
+    kind=st.sampled_from(sorted(KINDS)),
+    n=st.sampled_from([1, 2, 5, 32, 64]),
+    eps=st.sampled_from([0.0, 1e-5, 0.1]),
+    rounding=st.sampled_from(list(Round)),
+    in_bits=st.sampled_from([4, 8]),
+    out_fmt=st.sampled_from([DEFAULT_OUT, QFormat(4, 0.5), QFormat(8, 0.1)]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_training_forwards_are_golden_and_gradients_finite_on_any_config(
+    kind, n, eps, rounding, in_bits, out_fmt, bias, seed
+):
+    """Configs drawn at random, three calibrating training steps with an all-zero row and a
+    row of equal values among random rows: every output the golden op's, every gradient
+    finite (ε = 0 included: :func:`surrogate_eps`)."""
+    cls, options = KINDS[kind]
+    kw = {} if cls is IntRMSNorm else {"bias": bias}
+    layer = make_layer(kind, n, seed=seed, eps=eps, rounding=rounding, in_bits=in_bits, out_fmt=out_fmt, **kw)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+    for step in range(3):
+        x = rows((6, n), seed=seed + step)
+        x[0], x[1] = 0.0, x[1, :1]
+        y = layer(x)
+        assert torch.equal(y, golden_output(layer, layer.input_quant.fmt, x))
+        opt.zero_grad()
+        (y * torch.linspace(-1, 1, n)).sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+        opt.step()
 
 
 def test_saturated_outputs_pass_no_gradient():
