@@ -840,11 +840,12 @@ def _cached_structure(op_cls: type[NormOp], types: Any, args: tuple[Any, ...]) -
             op_cls.row_analysis(cfg)
             return cfg
         except OverflowRiskError as err:
-            if g == 0 and cfg.eps > stat_hi:
+            if g > 0:
+                g -= 1
+            elif cfg.eps > stat_hi:
                 raise OverflowRiskError(_eps_too_large(op_cls, cfg, eps, stat_hi)) from err
-            if g == 0:
+            else:
                 raise
-            g -= 1
 
 
 def _eps_too_large(op_cls: type[NormOp], cfg: NormConfig, eps: float, stat_hi: int) -> str:
