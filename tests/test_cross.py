@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cache_damage import DAMAGES
+from hypothesis import given, settings
 
 pytest.importorskip("tvm")
 
@@ -31,6 +32,7 @@ from qnorm.verify import backends
 from qnorm.verify.cases import CASES, _norm, case_named
 from qnorm.verify.harness import OK, verify
 from qnorm.verify.vectors import run_batches
+from tests.test_tvm_kernels import drawn_norm_cases
 
 TARGETS = ["aarch64", "riscv64"]
 # One case per family, with a non-default tie rule, int4 inputs or the time-major layout among them.
@@ -220,6 +222,21 @@ def test_verify_column_skips_without_tools(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(toolchains.shutil, "which", lambda name: None)
     reason = backends.get("riscv64").unavailable()
     assert "riscv64-linux-gnu-gcc" in reason and "gcc-riscv64-linux-gnu" in reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+@given(case=drawn_norm_cases(lengths=(1, 3, 31, 64, 129, 768)))
+@settings(max_examples=15, deadline=None)
+def test_norm_kernels_on_drawn_configs(target: str, case) -> None:
+    """The drawn configs of the x86 property test, cross-compiled: the op's integers."""
+    _require_tools(target)
+    if case is None:
+        return
+    op, inputs = case
+    compiled = cross.cross_build(kernel_for(op), target)
+    for x in inputs:
+        assert np.array_equal(compiled(x), op.forward(x)), f"{op.config} on {target}"
 
 
 @pytest.mark.slow

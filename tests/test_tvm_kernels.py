@@ -202,39 +202,49 @@ def test_norm_kernels_on_generated_rows(cls, rows, center, spread):
         assert_bit_exact(compiled(v), op.forward(v), v)
 
 
-@pytest.mark.slow
-@given(
-    cls=st.sampled_from([IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm]),
-    n=st.sampled_from([1, 3, 31, 64, 129, 768, 4100]),
-    in_fmt=st.sampled_from([INT4, INT8, INT12, QFormat(8, 2.0**-5), QFormat(16, 0.001)]),
-    out_fmt=st.sampled_from([QFormat(8, 2.0**-5), QFormat(4, 0.1), QFormat(16, 2.0**-10)]),
-    gains=st.sampled_from(["near one", "spread", "log-normal", "constant", "zeros"]),
-    beta_spread=st.sampled_from([None, None, 0.1, 100.0]),
-    rounding=st.one_of(st.just(Round.HALF_UP), st.sampled_from(list(Round))),  # the default, often
-    eps=st.sampled_from([0.0, 1e-5, 1.0]),
-    seed=st.integers(0, 2**16),
-)
-@settings(max_examples=60, deadline=None)
-def test_norm_kernels_on_drawn_configs(cls, n, in_fmt, out_fmt, gains, beta_spread, rounding, eps, seed):
-    """Configs drawn at random (row lengths on both sides of the vector and block widths,
-    formats, gains from near one to zero, large β, every rounding, ε = 0): each kernel
-    the op's integers on the rows that reach its stages' ends and on random rows; a
-    config the analysis refuses is skipped (refusal is tested elsewhere)."""
-    rng = np.random.default_rng(seed)
+GAINS = ("near one", "spread", "log-normal", "constant", "zeros")
+
+
+@st.composite
+def drawn_norm_cases(draw: Any, lengths: tuple[int, ...]) -> tuple[Any, list[np.ndarray]] | None:
+    """A norm op of a drawn config and the rows to check it on (those that reach its
+    stages' ends, and random ones), or None where the analysis refuses the config
+    (refusal is tested elsewhere).  The draws span row lengths, formats (int4..int16),
+    gains from near one to zero, large β, every rounding (half up often: the 16-bit
+    output stage needs it) and ε = 0."""
+    cls = draw(st.sampled_from([IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm]))
+    n = draw(st.sampled_from(lengths))
+    in_fmt = draw(st.sampled_from([INT4, INT8, INT12, QFormat(8, 2.0**-5), QFormat(16, 0.001)]))
+    out_fmt = draw(st.sampled_from([QFormat(8, 2.0**-5), QFormat(4, 0.1), QFormat(16, 2.0**-10)]))
+    gains = draw(st.sampled_from(GAINS))
+    beta_spread = draw(st.sampled_from([None, None, 0.1, 100.0]))
+    rounding = draw(st.one_of(st.just(Round.HALF_UP), st.sampled_from(list(Round))))
+    eps = draw(st.sampled_from([0.0, 1e-5, 1.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     gamma = {
-        "near one": rng.normal(1.0, 0.1, n),
-        "spread": rng.normal(0.0, 2.0, n),
-        "log-normal": np.exp(rng.normal(0.0, 2.0, n)) * rng.choice([-1.0, 1.0], n),
-        "constant": np.full(n, 30.0),
-        "zeros": np.where(np.arange(n) % 3 == 0, 0.0, rng.normal(1.0, 0.5, n)),
-    }[gains]
+        "near one": lambda: rng.normal(1.0, 0.1, n),
+        "spread": lambda: rng.normal(0.0, 2.0, n),
+        "log-normal": lambda: np.exp(rng.normal(0.0, 2.0, n)) * rng.choice([-1.0, 1.0], n),
+        "constant": lambda: np.full(n, 30.0),
+        "zeros": lambda: np.where(np.arange(n) % 3 == 0, 0.0, rng.normal(1.0, 0.5, n)),
+    }[gains]()
     beta = None if beta_spread is None or cls is IntRMSNorm else rng.normal(0.0, beta_spread, n)
     try:
         op = cls.from_float(gamma, beta, eps, in_fmt, out_fmt, rounding=rounding)
     except OverflowRiskError:
-        return
+        return None
     prefix = getattr(op.config, "prefix", n)
-    check_kernel(op, edge_rows(in_fmt, n, prefix), random_rows(in_fmt, n, 16, rng))
+    return op, [edge_rows(in_fmt, n, prefix), random_rows(in_fmt, n, 16, rng)]
+
+
+@pytest.mark.slow
+@given(drawn_norm_cases(lengths=(1, 3, 31, 64, 129, 768, 4100)))
+@settings(max_examples=60, deadline=None)
+def test_norm_kernels_on_drawn_configs(case):
+    """Drawn configs (:func:`drawn_norm_cases`), row lengths on both sides of the vector
+    and block widths: each kernel the op's integers."""
+    if case is not None:
+        check_kernel(case[0], *case[1])
 
 
 @pytest.mark.parametrize("cls", [IntLayerNorm, L1LayerNorm, ShiftLayerNorm, IntRMSNorm])
