@@ -86,10 +86,10 @@ DEFAULT_BITS = {32: (15, 8, 6), 64: (22, 8, 8)}
 MANTISSA_EXTRA = 2  # S's mantissa keeps R + 2 bits: its rounding costs r a quarter of its own
 
 
-def _exp_bits_short(fo: int, inv_bits: int, lanes: int, default: int) -> str:
-    """Why the default F is below the f + 2 an output LSB of 2^-f needs: the lanes, or the
-    default's own cap."""
-    if lanes - 3 - inv_bits < fo + 2:
+def _exp_bits_short(fo: int, inv_bits: int, lanes: int, default: int, room: int) -> str:
+    """Why the default F = min(default, room) is below the f + 2 an output LSB of 2^-f
+    needs: the lanes (``room``, what they leave beside R), or the default's own cap."""
+    if room < fo + 2:
         wider = " or lanes=64" if lanes < LANES[-1] else ""
         return (
             f"an output LSB of 2^-{fo} needs exp_bits >= {fo + 2} beside inv_bits = {inv_bits}, more than "
@@ -162,9 +162,10 @@ class SoftmaxConfig:
         if self.inv_bits is None:
             object.__setattr__(self, "inv_bits", fo + extra)
         if self.exp_bits is None:  # what the lanes leave beside R: e·r <= 2^(F+R) in lanes − 1 bits
-            object.__setattr__(self, "exp_bits", min(f_bits, lanes - 3 - self.inv_bits))
+            room = lanes - 3 - self.inv_bits
+            object.__setattr__(self, "exp_bits", min(f_bits, room))
             if self.exp_bits < fo + 2:  # name the cause: the caller chose the output, not F
-                raise ValueError(_exp_bits_short(fo, self.inv_bits, lanes, f_bits))
+                raise ValueError(_exp_bits_short(fo, self.inv_bits, lanes, f_bits, room))
         if self.sum_guard is None:
             object.__setattr__(self, "sum_guard", guard)
         # F >= f + 2 and R >= f + 4 keep y <= 2^f + 1 (the range analysis' proof)
