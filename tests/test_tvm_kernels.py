@@ -62,7 +62,9 @@ def check_kernel(op: Any, *inputs: np.ndarray) -> None:
     kernel = kernel_for(op)
     assert non_integer_dtypes(kernel.mod) == frozenset()
     script = kernel.mod.script()
-    assert "T.parallel" in script and "T.vectorized" in script
+    assert "T.parallel" in script
+    # an odd row length is left to LLVM's loop vectorizer (compilers.tvm.cpu._register_lanes)
+    assert "T.vectorized" in script or inputs[0].shape[-1] % 2 == 1
     compiled = kernel.build(host())
     for x in inputs:
         assert_bit_exact(compiled(x), op.forward(x), x)

@@ -7,6 +7,8 @@ the golden op: the schedule moves loops, never arithmetic.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -44,3 +46,17 @@ def test_serial_and_cpu_schedules_agree_with_golden(name: str) -> None:
     assert "T.parallel" in kernel_for(op, CPU).mod.script()
     got = CompiledKernel(serial, build(serial.mod, host))(x)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [3, 12, 67, 100, 768])
+def test_cpu_vectors_have_a_power_of_two_lanes(n: int) -> None:
+    """Vectors of other lane counts are legalized by widening and splitting in LLVM,
+    where its AArch64 backend once dropped a lane of a <3 x i8> store: the CPU
+    schedule vectorizes power-of-two lane counts only (an odd row stays scalar)."""
+    from qnorm.ops import IntLayerNorm
+    from qnorm.qformat import QFormat
+
+    op = IntLayerNorm.from_float(np.ones(n), np.zeros(n), 1e-5, QFormat(8, 0.05), QFormat(8, 2.0**-5))
+    lanes = [int(v) for v in re.findall(r"T\.vectorized\((?:T\.int64\()?(\d+)", kernel_for(op, CPU).mod.script())]
+    assert lanes and all(v & (v - 1) == 0 for v in lanes), lanes
+    assert (max(lanes) >= 32) == (n % 32 == 0)

@@ -261,7 +261,9 @@ def _vectorize_inner(
     if reduce:
         _vectorize_across_reduction(sch, block, spatial[0], reduce)
     else:
-        sch.vectorize(_register_lanes(sch, block, spatial[0])[1])
+        lanes = _register_lanes(sch, block, spatial[0])[1]
+        if lanes is not None:
+            sch.vectorize(lanes)
 
 
 def _vectorize_across_reduction(
@@ -276,6 +278,8 @@ def _vectorize_across_reduction(
     The initialization moves into its own block so that both loops vectorize.
     """
     outer, lanes = _register_lanes(sch, block, spatial)
+    if lanes is None:
+        return
     sch.reorder(*outer, *reduce, lanes)
     sch.vectorize(lanes)
     init = sch.decompose_reduction(block, reduce[0])
@@ -284,20 +288,29 @@ def _vectorize_across_reduction(
 
 def _register_lanes(
     sch: tvm.s_tir.Schedule, block: tvm.s_tir.schedule.SBlockRV, loop: tvm.s_tir.schedule.LoopRV
-) -> tuple[list, tvm.s_tir.schedule.LoopRV]:
-    """``loop`` split into (outer loops, the part to vectorize): :data:`_VECTOR_BITS`
-    of the block's widest value.
+) -> tuple[list, tvm.s_tir.schedule.LoopRV | None]:
+    """``loop`` split into (outer loops, the part to vectorize), or None for the
+    part where the loop stays scalar.
 
-    TVM turns a vectorized loop into one vector of its whole extent; LLVM then
+    The part is at most :data:`_VECTOR_BITS` of the block's widest value: TVM
+    turns a vectorized loop into one vector of its whole extent; LLVM then
     splits, say, a 64-lane int8→int64 conversion with long insert/extract
     sequences, which measured 1.3–2.6× slower than register-sized vectors.
-    So a loop longer than a register is split (when the register's lanes
-    divide it: a tail would need a predicate) and only the inner part is
-    vectorized: two AVX-512 registers, four AVX2 ones.
+    So a loop longer than a register is split (two AVX-512 registers, four
+    AVX2 ones) and only the inner part is vectorized.
+
+    The part is also a power of two that divides the loop (a tail would need a
+    predicate), and a loop with no even extent stays scalar for LLVM's own loop
+    vectorizer.  Vectors of other lane counts are legalized by widening and
+    splitting, a path LLVM exercises far less: LLVM 22 stores a ``<3 x i8>``
+    truncated from ``<3 x i64>`` on AArch64 as lanes 0 and 2 at offsets 0 and
+    1, dropping lane 1 (an IntLayerNorm of three int12 columns, half-even).
     """
-    lanes = max(_VECTOR_BITS // _value_bits(sch.get(block).body), 1)
     extent = int(sch.get(loop).extent)
-    if extent > lanes and extent % lanes == 0:
+    lanes = min(max(_VECTOR_BITS // _value_bits(sch.get(block).body), 1), extent & -extent)
+    if lanes == 1:
+        return [], None
+    if extent > lanes:
         outer, inner = sch.split(loop, [None, lanes])
         return [outer], inner
     return [], loop
