@@ -48,6 +48,11 @@ def test_serial_and_cpu_schedules_agree_with_golden(name: str) -> None:
     assert np.array_equal(got, want)
 
 
+def _lanes(op) -> list[int]:
+    script = kernel_for(op, CPU).mod.script()
+    return [int(v) for v in re.findall(r"T\.vectorized\((?:T\.int64\()?(\d+)", script)]
+
+
 @pytest.mark.parametrize("n", [3, 12, 67, 100, 768])
 def test_cpu_vectors_have_a_power_of_two_lanes(n: int) -> None:
     """Vectors of other lane counts are legalized by widening and splitting in LLVM,
@@ -56,7 +61,20 @@ def test_cpu_vectors_have_a_power_of_two_lanes(n: int) -> None:
     from qnorm.ops import IntLayerNorm
     from qnorm.qformat import QFormat
 
-    op = IntLayerNorm.from_float(np.ones(n), np.zeros(n), 1e-5, QFormat(8, 0.05), QFormat(8, 2.0**-5))
-    lanes = [int(v) for v in re.findall(r"T\.vectorized\((?:T\.int64\()?(\d+)", kernel_for(op, CPU).mod.script())]
+    lanes = _lanes(IntLayerNorm.from_float(np.ones(n), np.zeros(n), 1e-5, QFormat(8, 0.05), QFormat(8, 2.0**-5)))
     assert lanes and all(v & (v - 1) == 0 for v in lanes), lanes
     assert (max(lanes) >= 32) == (n % 32 == 0)
+
+
+@pytest.mark.parametrize("channels,want", [(7, [4, 2, 1]), (13, [8, 4, 1])])
+def test_channel_loops_end_in_power_of_two_vectors(channels: int, want: list[int]) -> None:
+    """The hand-written channel loops (the LIF neurons): whole registers, then the
+    tail in falling powers of two."""
+    from qnorm.ops.spiking import FoldedLIFNeuron, LIFConfig
+    from qnorm.qformat import QFormat
+    from tests.test_tvm_kernels import neuron_params
+
+    cfg = LIFConfig(QFormat(6, 0.125), membrane_bits=16, max_steps=8)
+    op = FoldedLIFNeuron(cfg, neuron_params(channels, False, np.random.default_rng(0)))
+    lanes = set(_lanes(op))
+    assert set(want) <= lanes and all(v & (v - 1) == 0 for v in lanes), lanes

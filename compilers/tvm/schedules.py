@@ -79,18 +79,25 @@ def scheduled_rowwise(schedule: Schedule, func: tirx.PrimFunc, output: str) -> t
 
 
 def vector_channels(n: int, body: ChannelBody) -> None:
-    """``body(c)`` for c in [0, n): register-sized vectorized loops, then the tail.
+    """``body(c)`` for c in [0, n): register-sized vectorized loops, then the tail
+    in vectors of falling powers of two (7 = 4 + 2 + 1).
 
     One vectorized loop over all n would become one n-lane vector, which LLVM
-    legalizes with long shuffle sequences (see ``compilers.tvm.cpu``).
+    legalizes with long shuffle sequences; and a vector of any lane count other
+    than a power of two takes LLVM's widening path, which has miscompiled (see
+    ``compilers.tvm.cpu._register_lanes``).
     """
     main = n - n % CPU_LANES
     if main:
         with T.serial(0, main // CPU_LANES) as co, T.vectorized(0, CPU_LANES) as ci:
             body(co * CPU_LANES + ci)
-    if n > main:
-        with T.vectorized(0, n - main) as ci:
-            body(main + ci)
+    start, lanes = main, CPU_LANES
+    while start < n:
+        while lanes > n - start:
+            lanes //= 2
+        with T.vectorized(0, lanes) as ci:
+            body(start + ci)
+        start += lanes
 
 
 def serial_channels(n: int, body: ChannelBody) -> None:
