@@ -157,6 +157,11 @@ def _compile(args: argparse.Namespace) -> int:
     state = "cache hit" if compiled.cache_hit else "compiled"
     print(f"{args.checkpoint}: {source['model']['kind']} {source['model']['config']}")
     print(f"  {meta['exactness']['summary']}")
+    check = meta["acceptance"]
+    if check["status"] == "passed":
+        print(f"  acceptance: {check['samples']} check inputs, every output bit-equal to the frozen program's")
+    else:
+        print(f"  acceptance not run here: {check['why']}")
     cpu = target_meta["tvm"].get("mcpu", target_meta["tvm"]["kind"])
     print(f"  {state} for {target_meta['name']} ({cpu}) in {compiled.seconds:.2f} s")
     if "files" in meta:  # the C API

@@ -69,6 +69,10 @@ class BuiltModel:
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    def unavailable(self) -> str | None:
+        """None when :meth:`run_ints` can run on this machine, else what it lacks."""
+        raise NotImplementedError
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Float32 input to float32 output, like :class:`compilers.tvm.graph.CompiledModel`."""
         out = self.run_ints(self.quantize(x))

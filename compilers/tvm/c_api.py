@@ -28,6 +28,7 @@ import hashlib
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -346,6 +347,12 @@ class CApiModel(BuiltModel):
         run = self.target.run
         prefix = [run.emulator, "-L", run.sysroot] if run.method == "qemu-user" else []
         return [*prefix, str(self.runner), *args]
+
+    def unavailable(self) -> str | None:
+        run = self.target.run
+        if run.method == "qemu-user" and shutil.which(run.emulator) is None:
+            return f"{run.emulator} not found (Debian: apt-get install {' '.join(run.debian_packages)})"
+        return None
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""

@@ -96,9 +96,12 @@ def one_translation_unit(sources: tuple[str, ...]) -> str:
 class CudaModel(BuiltModel):
     """A built CUDA model (the fields: :class:`~.artifacts.BuiltModel`)."""
 
+    def unavailable(self) -> str:
+        return "a CUDA model is built here, not run: scripts/gpu_check.sh runs it on a GPU " \
+               "(CudaModel.harness_plan writes its plan)"  # fmt: skip
+
     def run_ints(self, k: np.ndarray) -> np.ndarray:
-        raise RuntimeError("a CUDA model is built here, not run: scripts/gpu_check.sh runs it on a GPU "
-                           "(CudaModel.harness_plan writes its plan)")  # fmt: skip
+        raise RuntimeError(self.unavailable())
 
     def harness_plan(self, k: np.ndarray, expected: np.ndarray, directory: str | Path) -> Path:
         """A ``gpu_harness`` plan in ``directory`` (with the model's binaries) that runs the

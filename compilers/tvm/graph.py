@@ -74,7 +74,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from compilers import cache
 from compilers.cache import sha256_file
-from compilers.tvm import c_api, cuda_model, opencl_model, x86_rowsums
+from compilers.tvm import acceptance, c_api, cuda_model, opencl_model, x86_rowsums
 from compilers.tvm.build import build_recipe, cache_dir, tvm_target
 from compilers.tvm.gpu import GPU
 from compilers.tvm.kernels import Kernel, kernel_for
@@ -259,6 +259,10 @@ class CompiledModel:
     def __post_init__(self) -> None:
         self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.library)), tvm.cpu())
 
+    def unavailable(self) -> str | None:
+        """None: the library was built for this host and is loaded."""
+        return None
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         spec = self.metadata["input"]
@@ -338,10 +342,17 @@ def compile_model(
         library = cache.cached(_library_entry(key), lambda d: cuda_model.build_cuda(mod, target, d))
     else:
         library = cache.cached(_library_entry(key), lambda d: _build_library(mod, target, d / LIBRARY))
+    compiled = _compiled(kind, library, metadata, target, start)
+    try:
+        metadata["acceptance"] = acceptance.accept(compiled, frozen, example)
+    except acceptance.MiscompileError:
+        cache.remove(_library_entry(key))
+        raise
     if index is not None:
         text = json.dumps({"library_key": key, "metadata": metadata}, indent=1) + "\n"
         cache.cached(index, lambda directory: (directory / INDEX).write_text(text))
-    return _compiled(kind, library, metadata, target, start)
+    compiled.seconds = time.perf_counter() - start
+    return compiled
 
 
 def _compiled(

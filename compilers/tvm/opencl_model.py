@@ -72,13 +72,18 @@ def build_opencl(mod: tvm.IRModule, target: Target, directory: Path) -> None:
 class OpenCLModel(BuiltModel):
     """A built OpenCL model (the fields: :class:`~.artifacts.BuiltModel`)."""
 
+    def unavailable(self) -> str | None:
+        from compilers.tvm.opencl import unavailable
+
+        return unavailable()
+
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
         import pyopencl as cl
 
-        from compilers.tvm.opencl import built_program, pocl_context, unavailable
+        from compilers.tvm.opencl import built_program, pocl_context
 
-        reason = unavailable()
+        reason = self.unavailable()
         if reason is not None:
             raise RuntimeError(f"cannot run an OpenCL model here: {reason}")
         k = check_input_integers(self.metadata, k)
