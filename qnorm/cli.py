@@ -212,8 +212,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compile_hls(args: argparse.Namespace) -> int:
     """One Vitis HLS project per qnorm layer of the checkpoint (the linears stay on the host)."""
-    from compilers.fpga.hls import write_hls_projects
+    from compilers.fpga.csim import CsimError, acceptance
+    from compilers.fpga.hls import TARGET, write_hls_projects
     from qnorm.deploy import integer_ops
+    from qnorm.targets import load_target
     from qnorm.train.checkpoint import load_checkpoint
 
     model, meta = load_checkpoint(args.checkpoint)
@@ -222,8 +224,13 @@ def _compile_hls(args: argparse.Namespace) -> int:
         raise DeployError(f"{args.checkpoint} has no qnorm integer layer to put on the FPGA")
     projects = write_hls_projects(ops, args.out)  # TargetLimitError (a QnormError) if the FPGA cannot run one
     print(f"{args.checkpoint}: {meta['model']['kind']} {meta['model']['config']}")
+    target = load_target(TARGET)
     for name, path in projects.items():
         print(f"  {name}: {ops[name].name} -> {path} (vitis_hls -f {path / 'run_hls.tcl'})")
+        try:  # every project's C simulation on its golden vectors before anyone synthesizes it
+            print(f"    C simulation: {acceptance(path, target)}")
+        except CsimError as err:
+            raise DeployError(str(err)) from err
     return 0
 
 

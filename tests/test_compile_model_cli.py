@@ -132,10 +132,34 @@ def test_fpga_hls_writes_a_project_per_norm_layer_whose_csim_passes(checkpoint, 
     target = load_target("fpga-hls")
     if csim.compiler_unavailable(target) is not None:
         pytest.skip(csim.compiler_unavailable(target))
+    assert printed.count("    C simulation: qnorm_tb: PASS: ") == len(names)  # run by compile itself
     project = out / names[0]
     assert "set_top qnorm_top" in (project / csource.TCL).read_text()
     done = csim.run_testbench(csim.build_csim(project, target).binary, project / csource.VECTORS)
     assert done.returncode == 0 and "PASS" in done.stdout, done.stderr
+
+
+def test_fpga_hls_project_whose_csim_differs_is_refused(checkpoint, tmp_path, capsys, monkeypatch):
+    """The last golden output of every project's vectors.bin off by one bit as it is
+    written: the C simulation compile runs must report the mismatch, and compile fail."""
+    from compilers.fpga import csim, hls
+    from qnorm.targets import load_target
+
+    if csim.compiler_unavailable(load_target("fpga-hls")) is not None:
+        pytest.skip(csim.compiler_unavailable(load_target("fpga-hls")))
+    write = hls.write_vectors
+
+    def one_golden_output_off(path, units, in_bytes, out_bytes, want=None):
+        want = want.copy()
+        want.flat[-1] ^= 1
+        return write(path, units, in_bytes, out_bytes, want)
+
+    monkeypatch.setattr(hls, "write_vectors", one_golden_output_off)
+    path, _ = checkpoint
+    assert main(["compile", str(path), "--target", "fpga-hls", "-o", str(tmp_path / "hls")]) == 1
+    err = capsys.readouterr().err
+    assert "the C simulation of the written project failed (exit 1): qnorm_tb: MISMATCH in vector" in err
+    assert "do not synthesize it" in err
 
 
 def test_transformer_checkpoint_is_refused_naming_softmax_and_gelu(tmp_path, capsys):

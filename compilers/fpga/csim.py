@@ -95,3 +95,19 @@ def simulate(binary: Path, units: np.ndarray, in_bytes: int, out_bytes: int) -> 
         if done.returncode != 0:
             raise CsimError(f"C simulation {binary} exited {done.returncode}: {done.stderr.strip()}")
         return read_outputs(outputs, *units.shape)
+
+
+def acceptance(project: Path, target: Target) -> str:
+    """Build a written project's C simulation and run it on its own ``vectors.bin`` (the
+    golden op's outputs inside): the testbench's PASS line, or ``not run: <why>`` where
+    this machine has no C compiler.  :class:`CsimError` with the testbench's message (the
+    first mismatch) when the project's outputs differ or it does not run cleanly."""
+    reason = compiler_unavailable(target)
+    if reason is not None:
+        return f"not run: {reason}"
+    project = Path(project)
+    done = run_testbench(build_csim(project, target).binary, project / csource.VECTORS)
+    if done.returncode != 0:
+        raise CsimError(f"{project}: the C simulation of the written project failed (exit {done.returncode}): "
+                        f"{done.stderr.strip() or '(no message)'}; do not synthesize it")
+    return done.stdout.strip()
