@@ -236,8 +236,9 @@ def _compile_hls(args: argparse.Namespace) -> int:
 
 def _compile_rtl(args: argparse.Namespace) -> int:
     """One RTL folder per qnorm layer of the checkpoint: Verilog, testbench, yosys script, README."""
+    from compilers.rtl import icarus
     from compilers.rtl.layers import rtl_layers
-    from compilers.rtl.project import METADATA, write_rtl_projects
+    from compilers.rtl.project import METADATA, module_name, write_rtl_projects
     from qnorm.targets import load_target
     from qnorm.train.checkpoint import load_checkpoint
 
@@ -250,6 +251,10 @@ def _compile_rtl(args: argparse.Namespace) -> int:
         unit = layer.unit
         print(f"  {layer.name}: {layer.layer_class} ({unit.op.name}) -> {folders[layer.name]} "
               f"(latency {unit.latency}, {unit.cycles_per_row} cycles per {'row' if unit.row_length > 1 else 'element'})")  # fmt: skip
+        try:  # every folder's own testbench before anyone synthesizes it
+            print(f"    Icarus Verilog: {icarus.acceptance(folders[layer.name], module_name(layer.name))}")
+        except icarus.RtlSimError as err:
+            raise DeployError(str(err)) from err
     for left_out in skipped:
         print(f"  {left_out.name}: {left_out.layer_class} left out ({left_out.reason})")
     print(f"  wrote {args.out / METADATA}")

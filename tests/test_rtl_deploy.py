@@ -262,3 +262,31 @@ def test_float_norms_are_refused_as_float_layers() -> None:
     model = build_model("transformer", norm="float", depth=1)
     with pytest.raises(DeployError, match=r"blocks\.0\.norm1 \(LayerNorm: a float layer\).*norm \(LayerNorm"):
         model_layers(model)
+
+
+def test_compile_runs_every_folders_testbench_and_refuses_a_failing_one(tmp_path, capsys, monkeypatch) -> None:
+    """Compile's acceptance run (compilers.rtl.icarus): each written folder's testbench
+    passes under Icarus before compile succeeds; a golden output written off by one bit
+    fails the compile with the testbench's FAIL line."""
+    from compilers.rtl import icarus
+
+    if icarus.unavailable() is not None:
+        pytest.skip(icarus.unavailable())
+    checkpoint = save_checkpoint(briefly_trained("snn", **TINY_SNN), tmp_path / "snn")
+    assert main(["compile", str(checkpoint), "--target", "fpga-rtl", "-o", str(tmp_path / "ok")]) == 0
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"    Icarus Verilog: PASS: (\d+) of \1 outputs equal the golden op's", printed)) == 2
+
+    vectors = project.layer_vectors
+
+    def one_golden_output_off(op, code_range):
+        v = vectors(op, code_range)
+        expected = v.expected.copy()
+        expected[-1] ^= 1
+        return dataclasses.replace(v, expected=expected)
+
+    monkeypatch.setattr(project, "layer_vectors", one_golden_output_off)
+    assert main(["compile", str(checkpoint), "--target", "fpga-rtl", "-o", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    assert "the testbench of the written unit failed (exit" in err and "FAIL: 1 of " in err
+    assert "do not synthesize it" in err
