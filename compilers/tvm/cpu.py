@@ -311,8 +311,8 @@ def _register_lanes(
     ``counters``: a loop of per-column counters, each lane running a reduction of its
     own (:func:`_vectorize_across_reduction`), which LLVM vectorizes poorly as a
     scalar loop; it gets the largest power of two dividing it instead (MultiThreshold,
-    int8 in, 4- and 8-bit out, 7 to 100 channels: 1.1–14× faster than whole-row
-    vectors at 7, 67, 96 and 100 channels, 1.6–2.3× slower at 24 and 48).
+    int8 in, 4- and 8-bit out, 7 to 100 channels: 1.5–13× faster than whole-row
+    vectors at 7, 67, 96 and 100 channels; even to 2.3× slower at 24 and 48).
 
     Vectors of a lane count other than a power of two take LLVM's widening path,
     which has miscompiled: LLVM 22 stores a ``<3 x i8>`` truncated from
