@@ -6,7 +6,8 @@ whether it can run here before any kernel is built, and ``qnorm verify --list``
 answers from these checks alone, so they must cost milliseconds, not the
 seconds tvm takes to import.  The modules that build and run the kernels
 (:mod:`compilers.tvm.cross`, :mod:`compilers.tvm.opencl`, :mod:`compilers.tvm.cuda`,
-:mod:`compilers.fpga.csim`) use the same checks.
+:mod:`compilers.fpga.csim`, :mod:`compilers.rtl.icarus`) and the built models
+(``unavailable()``) use the same checks.
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ def cross_tools_missing(target: Target) -> str | None:
     what = ", ".join(w for w, _ in missing)
     pkgs = " ".join(dict.fromkeys(p for _, ps in missing for p in ps))
     return f"{what} not found (Debian: apt-get install {pkgs})"
+
+
+def emulator_unavailable(target: Target) -> str | None:
+    """None when ``target``'s qemu-user emulator (what runs its binaries here) is on PATH,
+    else what is missing; None too for a target whose binaries run natively."""
+    run = target.run
+    if run.method != "qemu-user" or shutil.which(run.emulator) is not None:
+        return None
+    return f"{run.emulator} not found (Debian: apt-get install {' '.join(run.debian_packages)})"
+
+
+def icarus_unavailable() -> str | None:
+    """None when Icarus Verilog (``iverilog``, ``vvp``) runs here, else what is missing."""
+    missing = [t for t in ("iverilog", "vvp") if shutil.which(t) is None]
+    return f"{', '.join(missing)} not found (Debian: apt-get install iverilog)" if missing else None
 
 
 def compiler_unavailable(target: Target) -> str | None:

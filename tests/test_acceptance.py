@@ -9,7 +9,8 @@ import pytest
 import torch
 from deploy_helpers import TINY_MIXER, briefly_trained, needs_tools, private_cache
 
-from compilers.tvm import acceptance, c_api
+from compilers import toolchains
+from compilers.tvm import acceptance
 from compilers.tvm.c_api import CApiModel
 from compilers.tvm.graph import CompiledModel, compile_model
 
@@ -75,6 +76,6 @@ def test_cross_builds_run_under_qemu_or_say_why_not(mixer, cache, monkeypatch, t
     assert isinstance(built, CApiModel) and built.metadata["acceptance"]["status"] == "passed"
     meta = json.loads((built.save(tmp_path / "m") / "model.json").read_text())
     assert meta["acceptance"]["status"] == "passed"
-    monkeypatch.setattr(c_api.shutil, "which", lambda name: None)
+    monkeypatch.setattr(toolchains.shutil, "which", lambda name: None)
     assert "qemu-aarch64 not found" in built.unavailable()
     assert acceptance.accept(built, None, torch.zeros(1))["status"] == "not run"

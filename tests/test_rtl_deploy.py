@@ -158,8 +158,10 @@ def test_the_testbench_passes_in_verilator_and_fails_on_a_wrong_expected_value(s
 
 
 def test_the_testbench_passes_in_icarus_and_fails_on_a_wrong_expected_value(snn, tmp_path) -> None:
-    if shutil.which("iverilog") is None or shutil.which("vvp") is None:
-        pytest.skip("Icarus Verilog (iverilog, vvp) is not on PATH")
+    from compilers.toolchains import icarus_unavailable
+
+    if icarus_unavailable() is not None:
+        pytest.skip(icarus_unavailable())
     _, out = snn
     entry = json.loads((out / project.METADATA).read_text())["layers"][-1]
     folder, module = tmp_path / entry["directory"], entry["module"]
@@ -268,10 +270,10 @@ def test_compile_runs_every_folders_testbench_and_refuses_a_failing_one(tmp_path
     """Compile's acceptance run (compilers.rtl.icarus): each written folder's testbench
     passes under Icarus before compile succeeds; a golden output written off by one bit
     fails the compile with the testbench's FAIL line."""
-    from compilers.rtl import icarus
+    from compilers.toolchains import icarus_unavailable
 
-    if icarus.unavailable() is not None:
-        pytest.skip(icarus.unavailable())
+    if icarus_unavailable() is not None:
+        pytest.skip(icarus_unavailable())
     checkpoint = save_checkpoint(briefly_trained("snn", **TINY_SNN), tmp_path / "snn")
     assert main(["compile", str(checkpoint), "--target", "fpga-rtl", "-o", str(tmp_path / "ok")]) == 0
     printed = capsys.readouterr().out

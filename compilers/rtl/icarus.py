@@ -10,14 +10,13 @@ simulation binary kept out of the folder; its PASS line is the layer's acceptanc
 from __future__ import annotations
 
 import shlex
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from compilers.rtl.project import icarus_command
+from compilers.toolchains import icarus_unavailable
 
-TOOLS = ("iverilog", "vvp")
 TIMEOUT_S = 600  # a layer's vectors simulate in well under a second; a hung testbench must not hang compile
 
 
@@ -25,16 +24,10 @@ class RtlSimError(RuntimeError):
     """A written layer's testbench did not build, did not pass, or did not finish."""
 
 
-def unavailable() -> str | None:
-    """None when Icarus Verilog runs here, else what is missing."""
-    missing = [t for t in TOOLS if shutil.which(t) is None]
-    return f"{', '.join(missing)} not found (Debian: apt-get install iverilog)" if missing else None
-
-
 def acceptance(folder: Path, module: str) -> str:
     """Build and run ``folder``'s testbench of ``module``: its PASS line, or ``not run: <why>``
     where Icarus is missing; :class:`RtlSimError` with the testbench's output otherwise."""
-    why = unavailable()
+    why = icarus_unavailable()
     if why is not None:
         return f"not run: {why}"
     folder = Path(folder)

@@ -28,7 +28,6 @@ import hashlib
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -42,6 +41,7 @@ import tvm.libinfo
 import tvm_ffi.libinfo
 
 from compilers.cache import sha256_file
+from compilers.toolchains import emulator_unavailable
 from compilers.tvm.artifacts import (
     BuiltModel,
     check_input_integers,
@@ -349,10 +349,7 @@ class CApiModel(BuiltModel):
         return [*prefix, str(self.runner), *args]
 
     def unavailable(self) -> str | None:
-        run = self.target.run
-        if run.method == "qemu-user" and shutil.which(run.emulator) is None:
-            return f"{run.emulator} not found (Debian: apt-get install {' '.join(run.debian_packages)})"
-        return None
+        return emulator_unavailable(self.target)
 
     def run_ints(self, k: np.ndarray) -> np.ndarray:
         """The output integers (int32, (batch, ...)) for input integers ``k`` (batch, ...)."""
