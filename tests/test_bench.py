@@ -18,9 +18,10 @@ import torch
 pytest.importorskip("tvm")
 
 from benchmarks import __main__ as runner
-from benchmarks import bench_kernels
+from benchmarks import bench_kernels, bench_qat
 from benchmarks._machine import cpu_model
 from benchmarks._timing import Timing, interleaved, ratio
+import qnorm.nn as qn
 from qnorm.targets import cpu_flags, read_cpuinfo
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,3 +139,45 @@ def test_the_avx2_section_says_why_it_did_not_run_on_a_host_without_avx512(monke
     monkeypatch.setattr(bench_avx2, "host_has_avx512", lambda: False)
     text = bench_avx2.section()
     assert text.startswith(bench_kernels.AVX2_TITLE) and "has no AVX-512" in text
+
+
+# --------------------------------------------------------------------------- QAT step bounds
+
+
+def _trained_norm(bound: str):
+    """A calibrated IntLayerNorm in a model, the bound applied, then one optimizer step on γ, β."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(qn.IntLayerNorm(16)).train()
+    x = torch.randn(32, 16)
+    model(x).sum().backward()  # calibrates the input quantizer
+    before = model[0].golden()
+    for take_out in bench_qat.BOUNDS[bound]:
+        take_out(model)
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+        model[0].bias.add_(0.25)
+    return model, x, before
+
+
+def test_reused_derivation_keeps_the_op_of_calibration():
+    model, x, before = _trained_norm("derivation reused")
+    layer = model[0]
+    assert layer.golden() is before
+    assert type(layer).golden(layer) is not before  # the layer's own derivation sees the new γ, β
+    q = layer.quantize_input(x)
+    assert torch.equal(layer(x), torch.from_numpy(before.forward(q.ints.numpy())).float() * before.out_fmt.scale)
+
+
+def test_no_element_chain_clamps_the_input_integers():
+    model, x, before = _trained_norm("derivation reused, no element chain")
+    q = model[0].quantize_input(x)
+    want = q.ints.clamp(before.out_fmt.lo, before.out_fmt.hi).float() * before.out_fmt.scale
+    assert torch.equal(model(x), want)
+
+
+def test_qat_section_names_every_bound_of_every_integer_kind():
+    names = [name for name, _, _ in bench_qat.timed_steps()]
+    assert len(names) == len(set(names))
+    text = bench_qat.qat_markdown({n: Timing(n, (2e-3,)) for n in names})
+    rows = [ln for ln in text.splitlines() if ln.startswith("| int_ln |")]
+    assert rows[-1] == "| int_ln | 2.00 ms (1.00×) | 2.00 ms (1.00×) | 2.00 ms (1.00×) |"

@@ -178,7 +178,7 @@ def fake_bench() -> str:
     sections = {
         "kernels": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64")),
         "kernels-avx2": bench_kernels.render(kernels, 1, 0.0, 1, load_target("x86_64"), bench_kernels.AVX2),
-        "qat": bench_qat.qat_markdown({k: Timing(k, (1e-3,)) for k in bench_qat.KINDS}),
+        "qat": bench_qat.qat_markdown({n: Timing(n, (1e-3,)) for n, _, _ in bench_qat.timed_steps()}),
         "compile": bench_compile.compile_markdown(
             [bench_compile.CompileTiming(name, 1.0, 1.0, 0.01) for name in DEPLOY_MODELS], bench_compile.REPEATS),
         "transformer": fake_transformer_latency(bench_transformer),
