@@ -414,17 +414,20 @@ class Dyadic:
     def from_float(cls, x: float, mult_bits: int = 16, max_shift: int = 62) -> "Dyadic":
         """Largest shift whose rounded multiplier fits a signed ``mult_bits`` word.
 
-        Exact: ``Fraction(x)`` is the float's exact binary value, so the result is
-        the same on every machine.
+        Exact, so the same on every machine: every value rounded is ``x · 2^s``, a
+        power-of-two scaling of a finite double that stays below 2^33 in magnitude
+        (or is ``x`` itself), so ``math.ldexp`` forms it without rounding, and
+        :func:`_round_half_up` rounds the double's exact value (what rounding
+        ``Fraction(x) · 2^s`` gives, the definition the tests compare with).
         """
         _require_finite(x, "dyadic constant")
         if not 2 <= mult_bits <= 32:
             raise ValueError(f"mult_bits must be in [2, 32], got {mult_bits}")
-        exact = Fraction(x)
+        v = float(x)
         limit = 1 << (mult_bits - 1)
-        if exact == 0:
+        if v == 0:
             return cls(0, 0)
-        if abs(round_fraction(exact)) >= limit:
+        if abs(_round_half_up(v)) >= limit:
             raise ValueError(
                 f"constant {x!r} does not fit a signed {mult_bits}-bit multiplier even at shift 0"
             )
@@ -432,10 +435,12 @@ class Dyadic:
         # s <= max_shift.  With |x| = f 2^E, f in [1/2, 1): |x| 2^(mult_bits-1-E) is in
         # [limit/2, limit), and rounding can reach the limit only there: try that shift,
         # step back at most once.
-        s = min(max_shift, max(mult_bits - 1 - math.frexp(float(x))[1], 0))
-        if abs(round_fraction(exact * (1 << s))) >= limit:
+        s = min(max_shift, max(mult_bits - 1 - math.frexp(v)[1], 0))
+        m = _round_half_up(math.ldexp(v, s))
+        if abs(m) >= limit:
             s -= 1
-        return cls(round_fraction(exact * (1 << s)), s)
+            m = _round_half_up(math.ldexp(v, s))
+        return cls(m, s)
 
 
 def dyadic_vector(xs: np.ndarray, mult_bits: int = 16, max_shift: int = 62) -> tuple[np.ndarray, int]:
@@ -485,6 +490,13 @@ def round_float(t: Any, mode: Round | str = DEFAULT_ROUND) -> Any:
     if mode is Round.HALF_AWAY:
         return select(t >= 0, fl + step(frac >= 0.5), fl + step(frac > 0.5))
     return select(frac == 0.5, fl + (fl % 2), fl + step(frac > 0.5))
+
+
+def _round_half_up(t: float) -> int:
+    """``floor(t + 1/2)`` of a finite double's exact value, in integers: ``t − floor(t)`` is
+    exact (0 where |t| >= 2^52, where t is an integer), so a tie is recognised exactly."""
+    fl = math.floor(t)
+    return fl + (t - fl >= 0.5)
 
 
 def round_fraction(q: Fraction) -> int:

@@ -192,6 +192,21 @@ def test_dyadic_from_float_is_exact_and_fits(x, bits):
         assert d.rel_error(x) <= 2.0 ** -(bits - 2)
 
 
+@pytest.mark.parametrize("x", [5e-324, -2.2e-308, 1e-300, 2.5, -2.5, -0.5, 2.0**-40 * 3, 32767.5, -32768.5, 1e300])
+@pytest.mark.parametrize("bits", [2, 16, 32])
+def test_dyadic_from_float_at_the_float_extremes_and_ties(x, bits):
+    """The double path equals rounding the exact rational, from subnormals to 1e300."""
+    exact, limit = Fraction(x), 1 << (bits - 1)
+    if abs(math.floor(exact + Fraction(1, 2))) >= limit:
+        with pytest.raises(ValueError, match="does not fit"):
+            fp.Dyadic.from_float(x, bits)
+        return
+    s = 0
+    while s < 62 and abs(math.floor(exact * 2 ** (s + 1) + Fraction(1, 2))) < limit:
+        s += 1
+    assert fp.Dyadic.from_float(x, bits) == fp.Dyadic(math.floor(exact * 2**s + Fraction(1, 2)), s)
+
+
 def test_dyadic_rejects_nan_inf():
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="NaN and Inf"):
