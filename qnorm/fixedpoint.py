@@ -417,7 +417,7 @@ class Dyadic:
         Exact, so the same on every machine: every value rounded is ``x · 2^s``, a
         power-of-two scaling of a finite double that stays below 2^33 in magnitude
         (or is ``x`` itself), so ``math.ldexp`` forms it without rounding, and
-        :func:`_round_half_up` rounds the double's exact value (what rounding
+        :func:`round_float` rounds the double's exact value half up (what rounding
         ``Fraction(x) · 2^s`` gives, the definition the tests compare with).
         """
         _require_finite(x, "dyadic constant")
@@ -427,7 +427,7 @@ class Dyadic:
         limit = 1 << (mult_bits - 1)
         if v == 0:
             return cls(0, 0)
-        if abs(_round_half_up(v)) >= limit:
+        if abs(int(round_float(v))) >= limit:
             raise ValueError(
                 f"constant {x!r} does not fit a signed {mult_bits}-bit multiplier even at shift 0"
             )
@@ -436,10 +436,10 @@ class Dyadic:
         # [limit/2, limit), and rounding can reach the limit only there: try that shift,
         # step back at most once.
         s = min(max_shift, max(mult_bits - 1 - math.frexp(v)[1], 0))
-        m = _round_half_up(math.ldexp(v, s))
+        m = int(round_float(math.ldexp(v, s)))
         if abs(m) >= limit:
             s -= 1
-            m = _round_half_up(math.ldexp(v, s))
+            m = int(round_float(math.ldexp(v, s)))
         return cls(m, s)
 
 
@@ -490,13 +490,6 @@ def round_float(t: Any, mode: Round | str = DEFAULT_ROUND) -> Any:
     if mode is Round.HALF_AWAY:
         return select(t >= 0, fl + step(frac >= 0.5), fl + step(frac > 0.5))
     return select(frac == 0.5, fl + (fl % 2), fl + step(frac > 0.5))
-
-
-def _round_half_up(t: float) -> int:
-    """``floor(t + 1/2)`` of a finite double's exact value, in integers: ``t − floor(t)`` is
-    exact (0 where |t| >= 2^52, where t is an integer), so a tie is recognised exactly."""
-    fl = math.floor(t)
-    return fl + (t - fl >= 0.5)
 
 
 def round_fraction(q: Fraction) -> int:
