@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from qnorm import fixedpoint as fp
@@ -176,6 +176,7 @@ def test_reciprocal(mode, d, f):
 
 @given(x=st.floats(-1e4, 1e4, allow_nan=False), bits=st.integers(4, 32))
 @settings(max_examples=300, deadline=None)
+@example(x=1e300, bits=32)  # refused at shift 0, far past any int64
 def test_dyadic_from_float_is_exact_and_fits(x, bits):
     limit = 1 << (bits - 1)
     try:
@@ -190,21 +191,6 @@ def test_dyadic_from_float_is_exact_and_fits(x, bits):
         # one more bit of shift would overflow the multiplier: the shift is maximal
         assert abs(math.floor(Fraction(x) * 2 ** (d.s + 1) + Fraction(1, 2))) >= limit
         assert d.rel_error(x) <= 2.0 ** -(bits - 2)
-
-
-@pytest.mark.parametrize("x", [5e-324, -2.2e-308, 1e-300, 2.5, -2.5, -0.5, 2.0**-40 * 3, 32767.5, -32768.5, 1e300])
-@pytest.mark.parametrize("bits", [2, 16, 32])
-def test_dyadic_from_float_at_the_float_extremes_and_ties(x, bits):
-    """The double path equals rounding the exact rational, from subnormals to 1e300."""
-    exact, limit = Fraction(x), 1 << (bits - 1)
-    if abs(math.floor(exact + Fraction(1, 2))) >= limit:
-        with pytest.raises(ValueError, match="does not fit"):
-            fp.Dyadic.from_float(x, bits)
-        return
-    s = 0
-    while s < 62 and abs(math.floor(exact * 2 ** (s + 1) + Fraction(1, 2))) < limit:
-        s += 1
-    assert fp.Dyadic.from_float(x, bits) == fp.Dyadic(math.floor(exact * 2**s + Fraction(1, 2)), s)
 
 
 def test_dyadic_rejects_nan_inf():
@@ -284,10 +270,24 @@ def test_rsqrt_refuses_operands_below_the_declared_minimum():
         fp.rsqrt(5, 10, min_input=0)
 
 
+# The float extremes and ties: subnormals, the smallest normal, exact halves, 2^-40-scale values.
+_EXTREMES = (5e-324, -2.2e-308, 1e-300, 2.5, -2.5, -0.5, 2.0**-40 * 3, 32767.5, -32768.5)
+
+
+def _at_the_extremes(test):
+    """``test`` with every extreme x at 2, 16 and 32 bits and the largest cap as explicit examples."""
+    for x in _EXTREMES:
+        for bits in (2, 16, 32):
+            test = example(x=x, bits=bits, cap=62)(test)
+    return test
+
+
 @given(x=st.floats(-1e6, 1e6, allow_nan=False, allow_subnormal=True), bits=st.integers(2, 32), cap=st.integers(0, 62))
 @settings(max_examples=2000, deadline=None)
+@_at_the_extremes
 def test_dyadic_shift_is_the_largest_fitting_one(x, bits, cap):
-    """The closed-form shift equals the plain upward search it replaced."""
+    """The closed-form shift equals the plain upward search it replaced (and the double
+    arithmetic of ``from_float`` the exact rational's, from subnormals up)."""
     exact, limit = Fraction(x), 1 << (bits - 1)
     if exact == 0 or abs(math.floor(exact + Fraction(1, 2))) >= limit:
         return
