@@ -11,7 +11,7 @@ formats admit; the tests construct inputs that reach them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -21,7 +21,9 @@ from qnorm.fixedpoint import DEFAULT_ROUND, Round, bits_for, div_round, int_rang
 
 
 # fixedpoint's rounding adds a half before shifting and doubles remainders, so its
-# operands live in [-2^62, 2^62): one bit of an int64 is headroom, not range.
+# operands live in [-2^62, 2^62): one bit of an int64 is headroom, not range.  An
+# intermediate marked ``unrounded`` is never such an operand (it only feeds exact
+# additions and subtractions) and may fill the accumulator: int64's [-2^63, 2^63).
 SAFE_INT64_BITS = 63
 
 
@@ -31,10 +33,18 @@ class OverflowRiskError(QnormError, ValueError):
 
 @dataclass(frozen=True)
 class Interval:
-    """Closed integer interval [lo, hi] (exact, unbounded Python ints)."""
+    """Closed integer interval [lo, hi] (exact, unbounded Python ints).
+
+    ``unrounded``: the value it bounds is an operand of exact additions and
+    subtractions only, never of fixedpoint's rounding, so a check lets it use the
+    accumulator's headroom bit too (:meth:`RangeReport.check`, :func:`check_target`).
+    Only a report entry is marked (:meth:`as_unrounded`); every interval computed
+    from one is an ordinary interval again.
+    """
 
     lo: int
     hi: int
+    unrounded: bool = field(default=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.lo > self.hi:
@@ -112,6 +122,14 @@ class Interval:
         """Signed two's-complement width needed to hold every value."""
         return bits_for(self.lo, self.hi)
 
+    def as_unrounded(self) -> "Interval":
+        """This interval, marked as bounding a value no rounding takes as an operand."""
+        return replace(self, unrounded=True)
+
+    def fits(self, headroom_bits: int) -> bool:
+        """Whether it fits ``headroom_bits``-bit integers (one bit more when unrounded)."""
+        return self.bits <= headroom_bits + self.unrounded
+
     def __contains__(self, v: int) -> bool:
         return self.lo <= v <= self.hi
 
@@ -144,9 +162,10 @@ class RangeReport:
         return max(self.widths().values(), default=1)
 
     def check(self, acc_bits: int = SAFE_INT64_BITS) -> "RangeReport":
-        """Refuse the config if any intermediate needs more than ``acc_bits`` bits."""
+        """Refuse the config if any intermediate needs more than ``acc_bits`` bits
+        (``acc_bits + 1`` for an unrounded one: ``acc_bits`` keeps a bit of headroom)."""
         for name, iv in self.items.items():
-            if iv.bits > acc_bits:
+            if not iv.fits(acc_bits):
                 raise OverflowRiskError(
                     f"{self.op}: intermediate {name!r} spans [{iv.lo}, {iv.hi}], which needs "
                     f"{iv.bits} bits, but only {acc_bits}-bit integers are available; "
@@ -171,7 +190,8 @@ class RangeReport:
 #   result of every product below, named or not.  Each must fit
 #   ``accumulator_bits - 1`` bits: fixedpoint's rounding adds a half before a
 #   shift and doubles remainders, so one bit is headroom (as SAFE_INT64_BITS is
-#   for int64).
+#   for int64); an intermediate no rounding takes (``Interval.unrounded``) may
+#   use that bit too.
 # * ``multiplier_bits`` — the narrow operand width of one hardware multiply (the
 #   18-bit port of a 27x18 DSP48E2; 64 on CPUs).  **Products** are the
 #   multiplications of an op's body, which its class lists (``multiplications``)
@@ -321,13 +341,17 @@ def check_target(op: Any, target: Any) -> RangeReport:
     limit = hw.accumulator_bits - 1
     held = [*rep.items.items(), *((p.formula, p.result) for p in prods if p.intermediate is None)]
     for name, iv in held:
-        if iv.bits > limit:
+        if not iv.fits(limit):
+            holds = (
+                f"{hw.accumulator_bits}-bit accumulator holds {hw.accumulator_bits}"
+                if iv.unrounded
+                else f"{hw.accumulator_bits}-bit accumulator holds {limit} (hardware.accumulator_bits "
+                "less one bit of rounding headroom)"
+            )
             raise TargetLimitError(
                 f"{op.name} cannot run exactly on {where}: intermediate {name!r} spans "
-                f"[{iv.lo}, {iv.hi}], which needs {iv.bits} bits, but the target's "
-                f"{hw.accumulator_bits}-bit accumulator holds {limit} (hardware.accumulator_bits "
-                "less one bit of rounding headroom); shorten the row, narrow the formats, "
-                "or pick a target with wider accumulators"
+                f"[{iv.lo}, {iv.hi}], which needs {iv.bits} bits, but the target's {holds}; "
+                "shorten the row, narrow the formats, or pick a target with wider accumulators"
             )
     for p in prods:
         if p.narrow_bits > hw.multiplier_bits:

@@ -412,10 +412,12 @@ def test_bad_constructor_arguments_are_named(make, match):
 
 @pytest.mark.parametrize("kind", ["int_ln", "shift2", "shift1"])
 def test_a_row_too_long_for_int64_is_refused_at_construction(kind):
-    """N x 2^30 squares summed to N^2 x 2^30: no input of the format could run it."""
+    """int16 rows of 65538: the variance numerator (N/2)^2 (2^16 - 1)^2 passes 2^62.  Rows of
+    65536 run: N·Σx² and (Σx)² reach 2^62 there, in int64 with no headroom bit to spare."""
     cls, options = KINDS[kind]
-    with pytest.raises(OverflowRiskError, match="'n_sum_sq' .* needs 64 bits"):
-        cls(65536, in_bits=16, **options)
+    with pytest.raises(OverflowRiskError, match="'var' .* needs 64 bits"):
+        cls(65538, in_bits=16, **options)
+    cls(65536, in_bits=16, **options)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,6 +19,7 @@ import pytest
 
 from qnorm.analysis import (
     Interval,
+    OverflowRiskError,
     RangeReport,
     TargetLimitError,
     check_target,
@@ -110,6 +111,28 @@ def test_accumulator_boundary_is_one_bit_of_headroom(tmp_path) -> None:
     check_target(op, fake_target(tmp_path, 48, 18, "fits"))
     with pytest.raises(TargetLimitError, match=r"'bn_product' .* needs 47 bits, .* accumulator holds 46"):
         check_target(op, fake_target(tmp_path, 47, 18, "short"))
+
+
+def test_an_unrounded_intermediate_may_fill_the_accumulator(tmp_path) -> None:
+    """N·Σx² and (Σx)² only form V's subtraction: no rounding adds a half to them, so they
+    may use the headroom bit the other intermediates keep; V itself may not."""
+    op = case_named("int_layernorm.int8.n768").build()
+    rep = op.ranges()
+    assert rep["n_sum_sq"].unrounded and rep["sum_squared"].unrounded and not rep["var"].unrounded
+    assert rep["n_sum_sq"].bits == rep["var"].bits == 35
+    both = RangeReport(op.name)
+    both.add("n_sum_sq", rep["n_sum_sq"])
+    both.add("var", rep["var"])
+    both.check(35)
+    with pytest.raises(OverflowRiskError, match=r"'var' .* needs 35 bits, but only 34-bit"):
+        both.check(34)  # N·Σx² passes with the headroom bit, V does not
+    with pytest.raises(OverflowRiskError, match=r"'n_sum_sq' .* needs 35 bits, but only 33-bit"):
+        both.check(33)
+    with pytest.raises(TargetLimitError, match=r"'n_sum_sq' .* needs 35 bits, but the target's 34-bit accumulator holds 34;"):
+        check_target(op, fake_target(tmp_path, 34, 18))
+    ordinary = Interval(rep["n_sum_sq"].lo, rep["n_sum_sq"].hi)
+    assert ordinary == rep["n_sum_sq"] and not ordinary.fits(34) and rep["n_sum_sq"].fits(34)
+    assert not (rep["n_sum_sq"] + 0).unrounded  # what is computed from one is ordinary again
 
 
 def test_multiplier_boundary_is_the_narrower_operand(tmp_path) -> None:

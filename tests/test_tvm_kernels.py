@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 tvm = pytest.importorskip("tvm")
 from hypothesis import given, settings
@@ -31,6 +32,7 @@ from compilers.tvm.kernels._rows import Rows
 from compilers.tvm.kernels.norms import norm_kernel
 from qnorm.analysis import Interval, OverflowRiskError
 from qnorm.fixedpoint import Dyadic, Round
+from qnorm.nn.elementchain import ElementChain
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.ops.bnfold import RationalBN
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
@@ -179,6 +181,22 @@ def test_norm_kernel_bit_exact(case):
         batched.astype(np.int8 if case.in_fmt.bits <= 8 else np.int16),
         np.zeros((0, case.n), dtype=np.int64),
     )
+
+
+@pytest.mark.parametrize("cls", [IntLayerNorm, ShiftLayerNorm])
+def test_int16_rows_of_65536_fill_int64(cls):
+    """N·Σx² and (Σx)² reach 2^62 exactly on a row of -32768s (the analysis lets these
+    two, which only form V's subtraction, use int64's headroom bit): the kernel, the
+    golden op on torch tensors and the QAT layers' element chain give the golden integers."""
+    n, fmt = 65536, QFormat(16, 2.0**-12)
+    rng = np.random.default_rng(SEED)
+    op = cls.from_float(rng.normal(1, 0.1, n), rng.normal(0, 0.2, n), 1e-5, fmt, QFormat(16, 2.0**-13))
+    assert op.ranges()["n_sum_sq"].hi == op.ranges()["sum_squared"].hi == 1 << 62
+    check_kernel(op, edge_rows(fmt, n, n), random_rows(fmt, n, 4, rng))
+    x = edge_rows(fmt, n, n)
+    want = op.forward(x)
+    assert np.array_equal(op._forward(torch.from_numpy(x), None).numpy(), want)
+    assert np.array_equal(ElementChain(op)(torch.from_numpy(x)).numpy(), want)
 
 
 @functools.cache

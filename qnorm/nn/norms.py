@@ -160,7 +160,7 @@ class IntNorm(QATModule):
 
     def _prove_config(self) -> None:
         """Derive the golden op once with unit γ and no β, so its range analysis refuses
-        a config no input can run (e.g. ``OverflowRiskError`` for N = 65536 at 16 bits)
+        a config no input can run (e.g. ``OverflowRiskError`` for N = 65538 at 16 bits)
         here and not at the first forward.  A calibrated input's scale is not known yet:
         its width is proven at scale 1, and every forward's derivation checks the real one.
         Subclasses set their op options before this base constructor runs it."""

@@ -110,8 +110,10 @@ def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
     d = centered_ranges(rep, cfg, record_centered=False)
     x = Interval(cfg.in_fmt.lo, cfg.in_fmt.hi)
     q = rep.add("sum_sq", x.square() * cfg.n)
-    rep.add("n_sum_sq", q * cfg.n)
-    rep.add("sum_squared", rep["sum"].square())
+    # N·Σx² and (Σx)² only form V's subtraction: they may fill int64 (2^62 each for int16
+    # rows of 65536, all -32768), while V itself, which the rounding takes on, keeps headroom.
+    rep.add("n_sum_sq", (q * cfg.n).as_unrounded())
+    rep.add("sum_squared", rep["sum"].square().as_unrounded())
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
     return StatBounds(v, Interval(-d, d), Fraction(cfg.n - 1), d * d)
