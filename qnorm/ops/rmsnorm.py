@@ -35,6 +35,7 @@ import numpy as np
 from qnorm.analysis import Interval, RangeReport
 from qnorm.ops._normcore import (
     NormConfig,
+    RowStageForm,
     StatBounds,
 )
 from qnorm.ops._xp import row_sum, take_prefix
@@ -87,6 +88,9 @@ class IntRMSNorm(RsqrtNorm):
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         head = take_prefix(x, self.config.prefix)
         return record(trace, "sum_sq", row_sum(head * head)), None
+
+    def row_stage_form(self) -> RowStageForm:
+        return RowStageForm("prefix_squares", "rsqrt", self.config.prefix, self.config.inv_frac_bits)
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:

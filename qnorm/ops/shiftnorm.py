@@ -39,6 +39,7 @@ from qnorm.ops._normcore import (
     FloatParams,
     NormConfig,
     NormOp,
+    RowStageForm,
     StatBounds,
     mantissa_range,
 )
@@ -251,6 +252,14 @@ class ShiftLayerNorm(NormOp):
         for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands), strict=True):
             value = value + select(m >= t, cur.value - prev.value, 0)
         return record(trace, "rsqrt_pow2", value)
+
+    def row_stage_form(self) -> RowStageForm:
+        """The variance, then the table :meth:`_inverse` walks: the first candidate's value
+        and, per threshold, the step to the next candidate's."""
+        _, cands = mantissa_table(self.config.mantissa_terms)
+        steps = tuple(cur.value - prev.value for prev, cur in itertools.pairwise(cands))
+        thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
+        return RowStageForm("variance", "pow2_table", self.config.n, 0, thresholds, steps, cands[0].value)
 
     def _scale(self, z: Any) -> Any:
         """z · (±2^l_c): a shift and a conditional negate."""

@@ -1,0 +1,166 @@
+"""The QAT norms' per-row stage and element chain as one compiled loop (numba, where installed).
+
+:class:`~qnorm.nn.elementchain.ElementChain` runs stages 1–3 with the golden op's own
+numpy functions: ~50 calls on per-row vectors, each a few microseconds of dispatch,
+so on a QAT batch (512 rows of 32) the calls, not the arithmetic, are the cost.  Here
+the same integers come from one loop per row, compiled by numba: the statistic
+(:class:`~qnorm.ops._normcore.RowStageForm`, the op's own description of its
+``_statistic`` and ``_inverse``), ε and the exponent split
+(:func:`~qnorm.ops._normcore.split_exponent`), the inverse, the row's multiplier and
+offset (:func:`~qnorm.ops._normcore.row_affine_parts`) and the element chain of
+:mod:`qnorm.nn.elementchain` with its folded rounding halves, all under the half-up
+rule and in int64 (every value proven to fit by the op's range analysis; the chain's
+int32 lanes hold the same values).  A second writing of the definition, so it is held
+to the golden op's integers by ``tests/test_nn_norm_fastpath.py`` on rows at the
+analysis' extremes for every op, lane width and format, and by property tests.
+
+Only ops whose ``row_stage_form`` is defined where their ``_statistic`` and
+``_inverse`` are (a subclass that overrides either without describing it falls back
+to the numpy stages).  The loop is compiled once per process and argument types
+(~1 s; numba's on-disk cache is not used: it loads pickles), at the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from qnorm.extras import missing
+from qnorm.ops._normcore import NormOp, z_shift_base
+
+STATISTICS = {"variance": 0, "centered_abs": 1, "prefix_squares": 2}
+INVERSES = {"rsqrt": 0, "reciprocal": 1, "pow2_table": 2}
+
+RowChain = Callable[[np.ndarray, np.ndarray], None]
+
+
+def available() -> bool:
+    """Whether numba (the ``fast`` extra) is installed: the compiled loop is used only then."""
+    return missing("numba") is None
+
+
+def _defined_in(cls: type, name: str) -> type:
+    return next(k for k in cls.__mro__ if name in vars(k))
+
+
+def describes_itself(op: NormOp) -> bool:
+    """Whether ``op``'s row stage form comes from the class that defines its statistic and
+    inverse (or a subclass of both): else the form may describe another definition."""
+    cls = type(op)
+    form_cls = _defined_in(cls, "row_stage_form")
+    return all(issubclass(form_cls, _defined_in(cls, name)) for name in ("_statistic", "_inverse", "row_inverse"))
+
+
+def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain: np.ndarray,
+              bias: np.ndarray) -> RowChain | None:  # fmt: skip
+    """``run(x, out)``: the op's output integers of the int64 rows ``x`` (2-D, N columns)
+    written into ``out`` (its shape, the window arrays' dtype), with the element chain's
+    per-channel window ``lo``, ``hi``, ``off``, gain and bias (the output rounding's half
+    folded in).  None where the compiled loop does not apply: numba missing, no form, or
+    another tie rule than half up (the caller runs the golden stages)."""
+    cfg = op.config
+    form = op.row_stage_form()
+    if form is None or not available() or not describes_itself(op) or cfg.rounding.value != "half_up":
+        return None
+    kernel = _kernel()
+    thresholds = np.asarray(form.thresholds, dtype=np.int64)
+    steps = np.asarray(form.steps, dtype=np.int64)
+    scalars = (
+        STATISTICS[form.statistic], INVERSES[form.inverse], form.prefix, cfg.p, cfg.p * cfg.eps_shift, cfg.eps,
+        cfg.mant_bits, form.frac_bits, form.base, z_shift_base(cfg), op._mult_shift, cfg.centered, cfg.shift,
+        cfg.out_fmt.lo, cfg.out_fmt.hi,
+    )  # fmt: skip
+
+    def run(x: np.ndarray, out: np.ndarray) -> None:
+        kernel(x, out, thresholds, steps, lo, hi, off, gain, bias, *scalars)
+
+    return run
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The compiled loop (numba is imported and the loop compiled at the first use: both take time)."""
+    import numba
+
+    return numba.njit(cache=False, nogil=True)(_rows)
+
+
+def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
+          mant_bits, frac_bits, base, zbase, mult_shift, centered, shift, out_lo, out_hi):  # fmt: skip
+    """The loop :func:`row_chain` compiles: every row's stages 1–3, then its elements."""
+    rows, n = x.shape
+    for i in range(rows):
+        # stage 1: the statistic, then W = S·2^(p g) + ε_int (W = 0 counts as 1)
+        s1 = np.int64(0)
+        acc = np.int64(0)
+        for j in range(n):
+            v = x[i, j]
+            s1 += v
+            if j < prefix:
+                acc += v * v
+        if statistic == 1:
+            acc = np.int64(0)
+            for j in range(n):
+                d = n * x[i, j] - s1
+                acc += d if d >= 0 else -d
+        elif statistic == 0:
+            acc = n * acc - s1 * s1
+        w = (acc << pg) + eps
+        if w <= 0:
+            w = np.int64(1)
+        # stage 2: W = M·2^(p e) (W's bit length: one step per bit, at most 62), then M's inverse r
+        bits = 0
+        rest = w
+        while rest > 0:
+            rest >>= 1
+            bits += 1
+        e = (bits - mant_bits) >> (p - 1)
+        up = e if e > 0 else 0
+        m = (w >> (up << (p - 1))) << ((up - e) << (p - 1))
+        if inverse == 0:  # 2^F / sqrt(M), half up: one division and one isqrt
+            num = np.int64(1) << (2 * frac_bits)
+            q = num // m
+            rem = num - q * m
+            r = np.int64(np.sqrt(np.float64(q)))  # q < 2^61: a float estimate, made exact
+            while r * r > q:
+                r -= 1
+            while (r + 1) * (r + 1) <= q:
+                r += 1
+            k = q - r * r - r
+            if k > 0 or (k == 0 and rem >= ((m + 3) >> 2)):
+                r += 1
+        elif inverse == 1:  # 2^F / (2M + 1), half up
+            d = m + m + 1
+            num = np.int64(1) << frac_bits
+            r = num // d
+            if 2 * (num - r * d) >= d:
+                r += 1
+        else:
+            r = np.int64(base)
+            for t in range(thresholds.shape[0]):
+                if m >= thresholds[t]:
+                    r += steps[t]
+        # stage 3: a = a0·2^up, c = c0·2^up, z's shift K (row_affine_parts, half up)
+        k0 = e + zbase
+        jr = min(max(k0, 0), mult_shift)
+        up = min(max(jr - k0, 0), 62)
+        a0 = ((r * n if centered else r) + ((np.int64(1) << jr) >> 1)) >> jr
+        c0 = np.int64(0)
+        if centered:
+            mean = s1 // n
+            dev = (s1 - mean * n) * a0
+            c0 = dev // n
+            if 2 * (dev - c0 * n) >= n:
+                c0 += 1
+            c0 += a0 * mean
+        k = k0 - jr + up
+        offset = c0 - ((np.int64(1) << k) >> 1)
+        # stage 4 per element: the element chain, its rounding halves folded in
+        for j in range(n):
+            z = ((x[i, j] * a0 - offset) >> k) << up
+            z = min(max(z, lo[j]), hi[j])
+            y = ((z - off[j]) * gain[j] + bias[j]) >> shift
+            out[i, j] = min(max(y, out_lo), out_hi)
