@@ -13,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qnorm.nn import MPBNLIF, BNQuantAct, InputQuantizer, IntLayerNorm
+from qnorm.nn import MPBNLIF, BNQuantAct, InputQuantizer, IntLayerNorm, jitchain
 from qnorm.nn._qat import (
     QuantizedInput,
     batch_stats,
     exact_forward,
     quantize_float,
+    quantized_input,
     to_output,
 )
 from qnorm.qformat import QFormat
@@ -54,6 +55,20 @@ def test_quantizer_equals_qformat_quantize(case, dtype):
     # the layer's path: its finiteness check found max |x|, so the per-element one is skipped
     fast, fast_inside = quantize_float(t, fmt, float(t.abs().max()))
     assert torch.equal(fast, ints) and torch.equal(fast_inside, inside)
+    # the QAT input's one compiled pass (the fast extra): the same integers and mask, and
+    # the dequantized values torch forms from them; a transposed view as well
+    for view in (t, t.reshape(1, -1).t()):
+        q = quantized_input(view, fmt, float(t.abs().max()))
+        assert jitchain.available() and q.ints.dtype == torch.int64 and q.dequant.dtype == dtype
+        assert torch.equal(q.ints.reshape(-1), ints) and torch.equal(q.pass_mask.reshape(-1), inside.to(dtype))
+        assert torch.equal(q.dequant.reshape(-1), ints.to(dtype) * fmt.scale)
+
+
+def test_an_overflowing_scaled_input_is_refused_on_every_path():
+    """x / scale beyond float64 (a finite x, a tiny scale) has no integer: named, not saturated."""
+    q = InputQuantizer(QFormat(8, 1e-300))
+    with pytest.raises(ValueError, match="non-finite value"):
+        q(torch.tensor([1e10, 0.5], dtype=torch.float64))
 
 
 def test_quantizer_rounds_ties_half_up():

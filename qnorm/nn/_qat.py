@@ -95,6 +95,7 @@ from qnorm.nn.quantizer import (
     is_quant_tensor,
     power_of_two_ceil,
     quantize_float,
+    quantized_input,
 )
 from qnorm.nn.surrogate import Output, Surrogate, exact_forward, exact_forward_in_graph, to_output
 from qnorm.nn.sync import all_reduce_max, distributed, synced_batch_norm, synced_moments
@@ -124,6 +125,7 @@ __all__ = [
     "param_array",
     "power_of_two_ceil",
     "quantize_float",
+    "quantized_input",
     "rational_bn_constants",
     "synced_batch_norm",
     "synced_moments",

@@ -49,7 +49,11 @@ def _defined_in(cls: type, name: str) -> type:
 def describes_itself(op: NormOp) -> bool:
     """Whether ``op``'s row stage form comes from the class that defines its statistic and
     inverse (or a subclass of both): else the form may describe another definition."""
-    cls = type(op)
+    return _describes_itself(type(op))
+
+
+@functools.cache
+def _describes_itself(cls: type) -> bool:
     form_cls = _defined_in(cls, "row_stage_form")
     return all(issubclass(form_cls, _defined_in(cls, name)) for name in ("_statistic", "_inverse", "row_inverse"))
 
@@ -65,7 +69,7 @@ def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain:
     form = op.row_stage_form()
     if form is None or not available() or not describes_itself(op) or cfg.rounding.value != "half_up":
         return None
-    kernel = _kernel()
+    kernel = _kernel(_rows)
     thresholds = np.asarray(form.thresholds, dtype=np.int64)
     steps = np.asarray(form.steps, dtype=np.int64)
     scalars = (
@@ -80,12 +84,44 @@ def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain:
     return run
 
 
+def quantize(x: np.ndarray, scale: float, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The QAT input quantizer's three results for finite float32/float64 ``x`` in one
+    compiled pass: the integers of :meth:`QFormat.quantize_with_mask` (``x / scale`` in
+    float64, rounded half up, saturated) as int64, ``ints · scale`` in ``x``'s dtype (the
+    product torch forms: both factors in that dtype, one IEEE multiply) and the
+    straight-through mask (1 where ``x / scale`` lies in [lo, hi], else 0) in that dtype.
+    None without numba."""
+    if not available():
+        return None
+    flat = np.ascontiguousarray(x).reshape(-1)
+    ints = np.empty(flat.shape, dtype=np.int64)
+    dequant, mask = np.empty_like(flat), np.empty_like(flat)
+    _kernel(_quantize)(flat, float(scale), float(lo), float(hi), np.full(1, scale, dtype=flat.dtype), ints, dequant, mask)
+    return ints.reshape(x.shape), dequant.reshape(x.shape), mask.reshape(x.shape)
+
+
+def _quantize(x, scale, lo, hi, scale_as_x, ints, dequant, mask):  # noqa: ANN001
+    """The loop :func:`quantize` compiles (``QFormat._round_scaled``'s steps, per element)."""
+    s = scale_as_x[0]
+    for i in range(x.shape[0]):
+        t = np.float64(x[i]) / scale
+        mask[i] = 1.0 if (t >= lo and t <= hi) else 0.0
+        t = min(max(t, lo - 1.0), hi + 1.0)
+        q = np.floor(t)
+        if t - q >= 0.5:  # exact: |t| < 2^52
+            q += 1.0
+        q = min(max(q, lo), hi)
+        ints[i] = np.int64(q)
+        dequant[i] = q  # an integer below 2^17: exact in either float dtype
+        dequant[i] = dequant[i] * s
+
+
 @functools.cache
-def _kernel() -> Any:
-    """The compiled loop (numba is imported and the loop compiled at the first use: both take time)."""
+def _kernel(loop: Callable[..., None]) -> Any:
+    """``loop`` compiled (numba is imported and the loop compiled at the first use: both take time)."""
     import numba
 
-    return numba.njit(cache=False, nogil=True)(_rows)
+    return numba.njit(cache=False, nogil=True)(loop)
 
 
 def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
