@@ -4,6 +4,8 @@ extremes, in every lane width and tie rule, and on drawn configs; the in-graph s
 no stale constants after a parameter or scale change; mult_shift's bisection against
 the linear search."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -149,6 +151,23 @@ def test_the_compiled_loop_needs_numba_and_an_op_that_describes_its_own_stages(m
     monkeypatch.setattr(jitchain, "available", lambda: False)
     assert ElementChain(op)._compiled is None
     assert np.array_equal(ElementChain(op)(torch.from_numpy(x)).numpy(), op.forward(x))
+
+
+def test_a_numba_that_does_not_import_counts_as_missing(monkeypatch):
+    """Installed but unimportable (built for another numpy, say): the numpy paths run."""
+    op = make_op("rms", 32, "int8")
+    monkeypatch.setitem(sys.modules, "numba", None)  # what a failing import looks like
+    jitchain._numba.cache_clear()
+    try:
+        assert not jitchain.available() and ElementChain(op)._compiled is None
+        layer = qnn.IntRMSNorm(32, in_fmt=op.in_fmt)
+        x = torch.randn(6, 32)
+        q = layer.quantize_input(x)
+        assert torch.equal(q.ints, torch.from_numpy(op.in_fmt.quantize(x.numpy())))
+    finally:
+        monkeypatch.undo()
+        jitchain._numba.cache_clear()
+    assert jitchain.available()
 
 
 @pytest.mark.parametrize("rounding", [r for r in Round if r is not Round.HALF_UP])

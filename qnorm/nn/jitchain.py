@@ -38,8 +38,23 @@ RowChain = Callable[[np.ndarray, np.ndarray], None]
 
 
 def available() -> bool:
-    """Whether numba (the ``fast`` extra) is installed: the compiled loop is used only then."""
-    return missing("numba") is None
+    """Whether numba (the ``fast`` extra) is installed and imports: the loops run only then.
+
+    Imported at the first call (a QAT layer's first forward), not with qnorm: it takes
+    ~0.3 s.  A numba that is installed but does not import (say, built for another
+    numpy) counts as missing."""
+    return _numba() is not None
+
+
+@functools.cache
+def _numba() -> Any:
+    if missing("numba") is not None:
+        return None
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba
 
 
 def _defined_in(cls: type, name: str) -> type:
@@ -118,10 +133,8 @@ def _quantize(x, scale, lo, hi, scale_as_x, ints, dequant, mask):  # noqa: ANN00
 
 @functools.cache
 def _kernel(loop: Callable[..., None]) -> Any:
-    """``loop`` compiled (numba is imported and the loop compiled at the first use: both take time)."""
-    import numba
-
-    return numba.njit(cache=False, nogil=True)(loop)
+    """``loop`` compiled, at its first use (~1 s per argument types)."""
+    return _numba().njit(cache=False, nogil=True)(loop)
 
 
 def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
