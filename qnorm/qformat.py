@@ -103,7 +103,8 @@ class QFormat:
             x = np.asarray(x)
             if x.dtype.kind not in "fiu":
                 raise ValueError(f"cannot quantize dtype {x.dtype}; expected a real-valued array")
-            t = np.divide(x, self.scale, dtype=np.float64)  # the cast inside the division: one pass
+            with np.errstate(over="ignore"):  # an overflow is an Inf, counted and named just below
+                t = np.divide(x, self.scale, dtype=np.float64)  # the cast inside the division: one pass
             bad = 0 if finite else int((~np.isfinite(t)).sum())
         if bad:
             raise ValueError(f"cannot quantize {bad} non-finite value(s) (NaN/Inf, or overflow of x/scale)")
