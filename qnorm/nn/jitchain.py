@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from qnorm.extras import missing
+from qnorm.fixedpoint import Round
 from qnorm.ops._normcore import NormOp, z_shift_base
 
 STATISTICS = {"variance": 0, "centered_abs": 1, "prefix_squares": 2}
@@ -82,7 +83,7 @@ def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain:
     another tie rule than half up (the caller runs the golden stages)."""
     cfg = op.config
     form = op.row_stage_form()
-    if form is None or not available() or not describes_itself(op) or cfg.rounding.value != "half_up":
+    if form is None or not available() or not describes_itself(op) or cfg.rounding is not Round.HALF_UP:
         return None
     kernel = _kernel(_rows)
     thresholds = np.asarray(form.thresholds, dtype=np.int64)
@@ -127,7 +128,7 @@ def _quantize(x, scale, lo, hi, scale_as_x, ints, dequant, mask):  # noqa: ANN00
             q += 1.0
         q = min(max(q, lo), hi)
         ints[i] = np.int64(q)
-        dequant[i] = q  # an integer below 2^17: exact in either float dtype
+        dequant[i] = q  # rounded to x's dtype as torch converts the int64 (exact below 2^24)
         dequant[i] = dequant[i] * s
 
 
