@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from qnorm.extras import missing
 from qnorm.fixedpoint import Round
@@ -38,6 +39,9 @@ INVERSES = {"rsqrt": 0, "reciprocal": 1, "pow2_table": 2}
 RowChain = Callable[[np.ndarray, np.ndarray], None]
 
 
+# Host code that calls numba: under torch.compile each entry point runs as an opaque call
+# (Dynamo cannot trace a compiled loop, and would trace past its functools caches).
+@torch.compiler.disable
 def available() -> bool:
     """Whether numba (the ``fast`` extra) is installed and imports: the loops run only then.
 
@@ -74,6 +78,7 @@ def _describes_itself(cls: type) -> bool:
     return all(issubclass(form_cls, _defined_in(cls, name)) for name in ("_statistic", "_inverse", "row_inverse"))
 
 
+@torch.compiler.disable
 def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain: np.ndarray,
               bias: np.ndarray) -> RowChain | None:  # fmt: skip
     """``run(x, out)``: the op's output integers of the int64 rows ``x`` (2-D, N columns)
@@ -94,12 +99,14 @@ def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain:
         cfg.out_fmt.lo, cfg.out_fmt.hi,
     )  # fmt: skip
 
+    @torch.compiler.disable
     def run(x: np.ndarray, out: np.ndarray) -> None:
         kernel(x, out, thresholds, steps, lo, hi, off, gain, bias, *scalars)
 
     return run
 
 
+@torch.compiler.disable
 def quantize(x: np.ndarray, scale: float, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The QAT input quantizer's three results for finite float32/float64 ``x`` in one
     compiled pass: the integers of :meth:`QFormat.quantize_with_mask` (``x / scale`` in
