@@ -865,7 +865,8 @@ class RowStageForm:
     stage (:mod:`qnorm.nn.jitchain`) computes to give :meth:`NormOp.row_inverse`'s values.
 
     ``statistic``: ``"variance"`` (N Σx² − (Σx)²), ``"centered_abs"`` (Σ|N x − Σx|) or
-    ``"prefix_squares"`` (Σx² over the first ``prefix`` elements).  Then
+    ``"prefix_squares"`` (Σx² over the first ``prefix`` elements; ``prefix`` counts the
+    elements whose squares the statistic sums: N for the variance, 0 for L1).  Then
     ``W = S·2^(p g) + ε_int`` and :func:`split_exponent`.  ``inverse`` of the mantissa M:
     ``"rsqrt"`` (``fixedpoint.rsqrt(M, frac_bits)``, half up), ``"reciprocal"``
     (``fixedpoint.reciprocal(2M + 1, frac_bits)``, half up) or ``"pow2_table"``

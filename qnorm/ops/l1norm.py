@@ -121,7 +121,7 @@ class L1LayerNorm(NormOp):
         return record(trace, "recip", reciprocal(m + m + 1, cfg.inv_frac_bits + 1, cfg.rounding))
 
     def row_stage_form(self) -> RowStageForm:
-        return RowStageForm("centered_abs", "reciprocal", self.config.n, self.config.inv_frac_bits + 1)
+        return RowStageForm("centered_abs", "reciprocal", 0, self.config.inv_frac_bits + 1)
 
     @classmethod
     def _inverse_range(cls, cfg: NormConfig, m_iv: Interval) -> Interval:
