@@ -24,7 +24,9 @@ The recipe:
    (:mod:`qnorm.fixedpoint` and :mod:`qnorm.ops._xp` run unchanged on them), so the
    result equals ``golden_op.forward(x_int)`` by construction, not by a second
    implementation.  The norm layers run the op's own per-row stages on numpy and a
-   fused int32 element chain instead (:mod:`qnorm.nn.elementchain`, tested equal).
+   fused int32 element chain instead (:mod:`qnorm.nn.elementchain`, tested equal), or,
+   with the ``fast`` extra, both as one compiled loop (:mod:`qnorm.nn.jitchain`, a
+   second writing of those stages, tested equal).
    The float output is ``ints.to(dtype) * out_scale`` in the input's float dtype:
    exactly what the golden integers mean.
 4. **Backward**: :func:`exact_forward` wraps (3) in a custom autograd Function whose

@@ -14,7 +14,8 @@ multipliers — powers of two for ShiftLayerNorm — and β into accumulator uni
 training step's parameter update is seen by the next forward; while γ, β, ε and the
 formats are unchanged, as in eval, the last derivation is reused); the op's integers
 come from :class:`~qnorm.nn.elementchain.ElementChain` (the op's own per-row stages and
-its per-element chain fused, in int32 where proven; tested equal to the golden body),
+its per-element chain fused, in int32 where proven, or with the ``fast`` extra one
+compiled loop of both; tested equal to the golden body),
 inside :func:`qnorm.fixedpoint.proven_ranges` (the op's range analysis covers every
 input of its format, so the per-call operand checks are skipped), and the output is
 ``golden_ints * out_fmt.scale`` in the input's float dtype, exactly.
