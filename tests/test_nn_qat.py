@@ -37,6 +37,7 @@ def values_and_format(draw):
     ks = draw(st.lists(st.integers(fmt.lo - 3, fmt.hi + 3), min_size=n, max_size=n))
     offsets = draw(st.lists(st.sampled_from([0.5, -0.5, 0.0, 0.49999999999999994, 0.25]), min_size=n, max_size=n))
     ties = [(k + o) * scale for k, o in zip(ks, offsets, strict=True)]  # exact ties when the scale is a power of two
+    ties += [-0.0, -1e-30]  # both round to the integer 0, whose value is +0.0
     noise = draw(st.lists(st.floats(-4.0 * scale * fmt.hi, 4.0 * scale * fmt.hi), min_size=n, max_size=n))
     return np.array(ties + noise), fmt
 
@@ -61,7 +62,8 @@ def test_quantizer_equals_qformat_quantize(case, dtype):
         q = quantized_input(view, fmt, float(t.abs().max()))
         assert jitchain.available() and q.ints.dtype == torch.int64 and q.dequant.dtype == dtype
         assert torch.equal(q.ints.reshape(-1), ints) and torch.equal(q.pass_mask.reshape(-1), inside.to(dtype))
-        assert torch.equal(q.dequant.reshape(-1), ints.to(dtype) * fmt.scale)
+        bits = torch.int32 if dtype == torch.float32 else torch.int64  # bit for bit: a -0.0 is not 0.0
+        assert torch.equal(q.dequant.reshape(-1).view(bits), (ints.to(dtype) * fmt.scale).view(bits))
 
 
 def test_an_overflowing_scaled_input_is_refused_on_every_path():

@@ -133,9 +133,10 @@ def _quantize(x, scale, lo, hi, scale_as_x, ints, dequant, mask):  # noqa: ANN00
         q = np.floor(t)
         if t - q >= 0.5:  # exact: |t| < 2^52
             q += 1.0
-        q = min(max(q, lo), hi)
-        ints[i] = np.int64(q)
-        dequant[i] = q  # rounded to x's dtype as torch converts the int64 (exact below 2^24)
+        k = np.int64(min(max(q, lo), hi))
+        ints[i] = k
+        # from the integer, as torch converts it (so -0.0 becomes 0; exact below 2^24)
+        dequant[i] = k
         dequant[i] = dequant[i] * s
 
 
