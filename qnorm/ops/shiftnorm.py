@@ -106,6 +106,16 @@ def mantissa_thresholds(terms: int, mant_bits: int) -> tuple[int, ...]:
     return tuple(-(-num // (a.value * b.value)) for a, b in itertools.pairwise(cands))
 
 
+@functools.cache
+def mantissa_steps(terms: int, mant_bits: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """The inverse as a walk: the first candidate's value, then per threshold T_i the
+    step to candidate i's value, added where M >= T_i (the candidates decrease, so
+    the steps are negative and M's candidate is the last threshold it reaches)."""
+    _, cands = mantissa_table(terms)
+    steps = tuple(cur.value - prev.value for prev, cur in itertools.pairwise(cands))
+    return cands[0].value, mantissa_thresholds(terms, mant_bits), steps
+
+
 @functools.lru_cache(maxsize=256)
 def candidate_parts(terms: int, mant_bits: int, lo: int, hi: int) -> tuple[tuple[Pow2Mantissa, int, int], ...]:
     """:meth:`ShiftLayerNorm._segments` for M in [lo, hi]: a function of these four
@@ -246,20 +256,16 @@ class ShiftLayerNorm(NormOp):
 
     def _inverse(self, m: Any, trace: Trace | None) -> Any:
         """Per row: count the thresholds M crosses; the chosen 2^hi ± 2^lo."""
-        _, cands = mantissa_table(self.config.mantissa_terms)
-        value = m * 0 + cands[0].value
-        thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
-        for t, (prev, cur) in zip(thresholds, itertools.pairwise(cands), strict=True):
-            value = value + select(m >= t, cur.value - prev.value, 0)
+        base, thresholds, steps = mantissa_steps(self.config.mantissa_terms, self.config.mant_bits)
+        value = m * 0 + base
+        for t, step in zip(thresholds, steps, strict=True):
+            value = value + select(m >= t, step, 0)
         return record(trace, "rsqrt_pow2", value)
 
     def row_stage_form(self) -> RowStageForm:
-        """The variance, then the table :meth:`_inverse` walks: the first candidate's value
-        and, per threshold, the step to the next candidate's."""
-        _, cands = mantissa_table(self.config.mantissa_terms)
-        steps = tuple(cur.value - prev.value for prev, cur in itertools.pairwise(cands))
-        thresholds = mantissa_thresholds(self.config.mantissa_terms, self.config.mant_bits)
-        return RowStageForm("variance", "pow2_table", self.config.n, 0, thresholds, steps, cands[0].value)
+        """The variance, then the table :meth:`_inverse` walks (:func:`mantissa_steps`)."""
+        base, thresholds, steps = mantissa_steps(self.config.mantissa_terms, self.config.mant_bits)
+        return RowStageForm("variance", "pow2_table", self.config.n, 0, thresholds, steps, base)
 
     def _scale(self, z: Any) -> Any:
         """z · (±2^l_c): a shift and a conditional negate."""
