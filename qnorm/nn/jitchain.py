@@ -17,7 +17,8 @@ analysis' extremes for every op, lane width and format, and by property tests.
 Only ops whose ``row_stage_form`` is defined where their ``_statistic`` and
 ``_inverse`` are (a subclass that overrides either without describing it falls back
 to the numpy stages).  The loop is compiled once per process and argument types
-(~1 s; numba's on-disk cache is not used: it loads pickles), at the first call.
+(at the first call: the norm loop 1.05 s, the quantizer 0.17 s; numba's on-disk cache
+is not used: it loads pickles).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _quantize(x, scale, lo, hi, scale_as_x, ints, dequant, mask):  # noqa: ANN00
 
 @functools.cache
 def _kernel(loop: Callable[..., None]) -> Any:
-    """``loop`` compiled, at its first use (~1 s per argument types)."""
+    """``loop`` compiled, at its first use (once per argument types)."""
     return _numba().njit(cache=False, nogil=True)(loop)
 
 
