@@ -423,7 +423,13 @@ def test_vectorized_output_stage_equals_the_per_channel_hull(seed):
         chans.append((a, b, Interval(lo, lo + int(rng.integers(0, 1 << zbits)))))
     zs = [iv for a, b, iv in chans for _ in range(b - a)]
     got, want = RangeReport("t"), RangeReport("t")
-    g = outcome(lambda: (core.output_ranges(got, cfg, gain, core.output_window(cfg, gain, bias, tuple(chans))), got)[1])
+
+    def vectorized() -> RangeReport:
+        hulls = core.channel_hulls(gain, core.output_window(cfg, gain, bias, tuple(chans)))
+        core.output_ranges(got, cfg, hulls)
+        return got
+
+    g = outcome(vectorized)
     w = outcome(lambda: (ref_output_ranges(want, cfg, gain, bias, zs), want)[1])
     assert g == w
 

@@ -67,6 +67,7 @@ import functools
 import math
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -136,12 +137,17 @@ class FloatParams:
         b = np.zeros_like(g) if beta is None else _real_array("beta", beta)
         if b.shape != g.shape:
             raise ValueError(f"beta has shape {b.shape} but gamma has {g.shape}: both need one value per row element")
+        return cls(g, b, cls.checked_eps(eps))
+
+    @staticmethod
+    def checked_eps(eps: Any) -> float:
+        """ε as a float, refused unless it is a finite real scalar >= 0."""
         e = _real_array("eps", eps)
         if e.ndim != 0:
             raise ValueError(f"eps must be a scalar, got shape {e.shape}")
         if e < 0:
             raise ValueError(f"eps must be >= 0, got {float(e)!r}")
-        return cls(g, b, float(e))
+        return float(e)
 
 
 def _real_array(name: str, value: Any) -> np.ndarray:
@@ -371,7 +377,7 @@ def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
     The smallest g >= 0 with ε_S 2^(p g) >= 2^EPS_RESOLUTION_BITS — 0 when ε = 0 —
     lowered until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits the 63-bit
     check (< 2^62).  The op's full range analysis may lower it further
-    (``NormOp._build``).  In integers (ε_S = n / d): the smallest k >= 0 with
+    (:meth:`NormOp.channel_rule`).  In integers (ε_S = n / d): the smallest k >= 0 with
     ``n 2^k >= d 2^EPS_RESOLUTION_BITS``, then g = ceil(k / p).
     """
     if eps_s <= 0:
@@ -791,7 +797,7 @@ STRUCTURE_CACHE_SIZE = 64  # each entry holds tuples of N zeros: bounded for N u
 
 def _structure(op_cls: type[NormOp], key: tuple[Any, ...], eps: float | None = None,
                frac_bits: int | None = None) -> NormConfig:  # fmt: skip
-    """What :meth:`NormOp._build` derives without γ and β, cached per argument.
+    """What :meth:`NormOp.channel_rule` derives without γ and β, cached per argument.
 
     ``key = (n, in_fmt, out_fmt, mant_bits, rounding, lanes, op fields)``.  Without
     ``eps``: the config with zero gains, biases, ε and F_z (validated, so a config
@@ -859,6 +865,109 @@ def _eps_too_large(op_cls: type[NormOp], cfg: NormConfig, eps: float, stat_hi: i
     )
 
 
+def _check_options(op_cls: type[NormOp], options: dict[str, Any]) -> None:
+    """Refuse options that are not the op's own fields."""
+    unknown = sorted(set(options) - set(op_cls.op_defaults))
+    if unknown:
+        raise ValueError(f"{op_cls.__name__} has no option(s) {unknown}; its options: {sorted(op_cls.op_defaults)}")
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelStructure:
+    """Everything of one derivation but γ and β at one F_z: the config (its gains,
+    shift and biases placeholders), its row analysis, max |z| (the bias clip's
+    reach) and what the gains are quantized to (``mult_bits``, ``max_shift``)."""
+
+    op_cls: type[NormOp]
+    config: NormConfig
+    row: RowAnalysis
+    z_abs: int
+    mult_bits: int
+    max_shift: int
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelInts:
+    """The per-channel integers of one γ, β: the multipliers, their shared shift and the
+    biases, and — where the writing that formed them computed them too — their output
+    window and stage-4 hulls (None: the op forms them)."""
+
+    gain: tuple[int, ...]
+    shift: int
+    bias: tuple[int, ...]
+    window: OutputWindow | None = None
+    hulls: StageHulls | None = None
+
+
+# A second writing of the per-channel derivation (ChannelRule.op's numpy part): the
+# integers, window and hulls for a structure, the scaled gains γ G / s_out 2^-F_z and β,
+# or None where it does not apply (the definition's numpy part then runs).
+ChannelWriter = Callable[[ChannelStructure, np.ndarray, np.ndarray], "ChannelInts | None"]
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelRule:
+    """:meth:`NormOp.from_float`'s arguments but γ and β, resolved
+    (:meth:`NormOp.channel_rule`): ``key`` = (n, in_fmt, out_fmt, mant_bits, rounding,
+    lanes, op fields), ε, an explicit F_z or None (the default rule), the gains'
+    multiplier width and shift limit, G and s_out, F_r."""
+
+    op_cls: type[NormOp]
+    key: tuple[Any, ...]
+    eps: float
+    frac_bits: int | None
+    mult_bits: int
+    max_shift: int
+    gain_factor: float
+    out_scale: float
+    inv_frac_bits: int
+    _structures: dict[int, ChannelStructure] = field(default_factory=dict, repr=False)
+
+    def structure(self, frac_bits: int) -> ChannelStructure:
+        """The structure at F_z = ``frac_bits`` (kept per F_z; a refused one raises each time)."""
+        got = self._structures.get(frac_bits)
+        if got is None:
+            cfg = _structure(self.op_cls, self.key, self.eps, frac_bits)
+            row = self.op_cls.row_analysis(cfg)
+            z_abs = max(-row.z.lo, row.z.hi)
+            got = self._structures[frac_bits] = ChannelStructure(
+                self.op_cls, cfg, row, z_abs, self.mult_bits, self.max_shift
+            )
+        return got
+
+    def op(self, params: FloatParams, writer: ChannelWriter | None = None) -> NormOp:
+        """The op for ``params`` (N channels, this rule's ε).  ``writer``: a second writing
+        of the per-channel part, held equal to the one here by its own tests; where it
+        answers None (or the structure is refused) the numpy part below runs."""
+        if params.gamma.shape != (self.key[0],) or params.eps != self.eps:
+            raise ValueError(
+                f"the rule derives {self.key[0]} channels at eps = {self.eps!r}; "
+                f"got {params.gamma.size} at eps = {params.eps!r}"
+            )
+        real_gain = params.gamma * self.gain_factor / self.out_scale
+        frac_bits = default_frac_bits(real_gain, self.inv_frac_bits) if self.frac_bits is None else self.frac_bits
+        scaled = np.ldexp(real_gain, -frac_bits)
+        ints = None
+        if writer is not None:
+            try:
+                st = self.structure(frac_bits)
+            except (OverflowRiskError, ValueError):
+                st = None  # refused: raised below, in the definition's order
+            ints = None if st is None else writer(st, scaled, params.beta)
+        if ints is None:
+            gain, shift = self.op_cls._quantize_gain(scaled, self.mult_bits, self.max_shift)
+            # The multipliers are N Python ints of mult_bits (<= 32) bits and 0 <= shift <= max_shift
+            # (_quantize_gain's contract): valid by construction; F_z and ε were checked by _structure.
+            st = self.structure(frac_bits)
+            bias = _output_bias(params.beta, derived_config(st.config, gain=gain, shift=shift), st.z_abs)
+            ints = ChannelInts(gain, shift, bias)
+        # n Python ints; the check left is int64's range (the exact path can exceed it: refused by replace)
+        cfg = derived_config(st.config, gain=ints.gain, shift=ints.shift)
+        fits = -(1 << 63) <= min(ints.bias) and max(ints.bias) < 1 << 63
+        cfg = derived_config(cfg, bias=ints.bias) if fits else replace(cfg, bias=ints.bias)
+        return self.op_cls._assembled(cfg, params, st.row, ints)  # the output stage is checked there, with β
+
+
 @dataclass(frozen=True)
 class RowStageForm:
     """Stages 1 and 2 of an op under the half-up rule, as data: what a compiled per-row
@@ -908,17 +1017,32 @@ class NormOp(IntOp):
             raise ValueError(f"{type(self).__name__} needs a {self.config_cls.__name__}, got {type(config).__name__}")
         if params.gamma.shape != (config.n,):
             raise ValueError(f"float parameters have {params.gamma.size} channels, the config {config.n}")
+        self._assemble(config, params, self.row_analysis(config), None)
+
+    @classmethod
+    def _assembled(cls, config: NormConfig, params: FloatParams, row: RowAnalysis, ints: ChannelInts) -> NormOp:
+        """The op of a config its :class:`ChannelRule` formed (valid by construction), with
+        that rule's row analysis and the output window and hulls ``ints`` carries when the
+        writing that formed its integers computed them too."""
+        op = object.__new__(cls)
+        op._assemble(config, params, row, ints)
+        return op
+
+    def _assemble(self, config: NormConfig, params: FloatParams, row: RowAnalysis, ints: ChannelInts | None) -> None:
+        """Every constructor's work: the output window of the gains and biases, and the
+        range checks (63 bits, the lanes per element), which refuse the config."""
         self.config = config
         self.params = params
         self.in_fmt = config.in_fmt
         self.out_fmt = config.out_fmt
         self._gain = np.asarray(config.gain, dtype=np.int64)
         self._bias = np.asarray(config.bias, dtype=np.int64)
-        row = self.row_analysis(config)
-        self._window = output_window(config, self._gain, self._bias, row.channel_z)
+        formed = ints is not None and ints.window is not None
+        self._window = ints.window if formed else output_window(config, self._gain, self._bias, row.channel_z)
         self._stat_bits = row.stat_bits
         self._mult_shift = row.mult_shift
-        self._report(config, self._gain, self._bias, self._window)  # checked: 63 bits, the lanes per element
+        hulls = ints.hulls if formed else None
+        self._report(config, self._gain, self._bias, self._window, row=row, hulls=hulls)  # checked
 
     # ---- construction from floats
 
@@ -952,70 +1076,65 @@ class NormOp(IntOp):
         near 2^-20 in the inverse and the gains: their defaults are the op's
         ``wide_defaults`` (a wider mantissa / inverse) and 24-bit gain multipliers.
         """
-        unknown = sorted(set(options) - set(cls.op_defaults))
-        if unknown:
-            raise ValueError(f"{cls.__name__} has no option(s) {unknown}; its options: {sorted(cls.op_defaults)}")
-        wide = out_fmt.bits > 8
-        defaults = {**cls.op_defaults, **(cls.wide_defaults if wide else {})}
-        default_mant = defaults.pop("mant_bits", None)  # a width of _build's own, not an op option
-        mant_bits = default_mant if mant_bits is None else mant_bits
-        if mult_bits is None:
-            mult_bits = WIDE_MULT_BITS if wide else MULT_BITS
-        return cls._build(
-            gamma, beta, eps, in_fmt, out_fmt, frac_bits, mant_bits, mult_bits, rounding, lanes,
-            **{**defaults, **options},
-        )
+        _check_options(cls, options)
+        params = FloatParams.checked(gamma, beta, eps)
+        rule = cls.channel_rule(
+            params.gamma.size, params.eps, in_fmt, out_fmt, frac_bits=frac_bits, mant_bits=mant_bits,
+            mult_bits=mult_bits, rounding=rounding, lanes=lanes, **options,
+        )  # fmt: skip
+        return rule.op(params)
 
     @classmethod
-    def _build(
+    def channel_rule(
         cls,
-        gamma: Any,
-        beta: Any,
-        eps: Any,
-        in_fmt: QFormat,
-        out_fmt: QFormat,
-        frac_bits: int | None,
-        mant_bits: int | None,
-        mult_bits: int,
-        rounding: Round | str,
-        lanes: int | None,
-        **op_fields: Any,
-    ) -> NormOp:
-        """Quantize float parameters into a config, deterministically.
+        n: int,
+        eps: float = 1e-5,
+        in_fmt: QFormat = DEFAULT_IN,
+        out_fmt: QFormat = DEFAULT_OUT,
+        *,
+        frac_bits: int | None = None,
+        mant_bits: int | None = None,
+        mult_bits: int | None = None,
+        rounding: Round | str = DEFAULT_ROUND,
+        lanes: int | None = None,
+        **options: Any,
+    ) -> ChannelRule:
+        """What :meth:`from_float` does with every argument but γ and β, resolved once:
+        ``from_float(γ, β, ε, …)`` is ``channel_rule(len(γ), ε, …).op(params)`` with
+        ``params = FloatParams.checked(γ, β, ε)``.  A QAT layer keeps its rule while its
+        formats and ε are unchanged and derives each step's op from it.
 
         γ_c · G / s_out (G: the op's constant) becomes ``m_c / 2^(s − F_z)``; ε
         becomes ``ε_int = round(ε_S 2^(p g))`` (exact rational, rounded half up) with
         the guard g of :func:`eps_guard_bits`, lowered further while the range
         analysis refuses the config (g = 0 is the plain integer ε); β_c becomes
         ``round(β_c 2^s / s_out)``, clipped where the output saturates anyway.
-
         Each guard tried is the full analysis of the op with zero β (as
         constructing it would run), its row part from the cache.
         """
-        params = FloatParams.checked(gamma, beta, eps)
+        _check_options(cls, options)
+        check_int("n", n, 1)
+        eps = FloatParams.checked_eps(eps)
+        wide = out_fmt.bits > 8
+        defaults = {**cls.op_defaults, **(cls.wide_defaults if wide else {})}
+        default_mant = defaults.pop("mant_bits", None)  # a width of the rule's own, not an op option
+        mant_bits = default_mant if mant_bits is None else mant_bits
+        if mult_bits is None:
+            mult_bits = WIDE_MULT_BITS if wide else MULT_BITS
         key = (
-            params.gamma.size, in_fmt, out_fmt, cls.config_cls.default_mant_bits if mant_bits is None else mant_bits,
-            rounding, default_lanes(in_fmt, out_fmt) if lanes is None else lanes, tuple(sorted(op_fields.items())),
+            n, in_fmt, out_fmt, cls.config_cls.default_mant_bits if mant_bits is None else mant_bits, rounding,
+            default_lanes(in_fmt, out_fmt) if lanes is None else lanes, tuple(sorted({**defaults, **options}.items())),
         )  # fmt: skip
         base = _structure(cls, key)
-        real_gain = params.gamma * base.gain_factor() / out_fmt.scale
-        if frac_bits is None:
-            frac_bits = default_frac_bits(real_gain, base.inv_frac_bits)
         # A shift beyond 59 − out_bits would put the clipped bias past 62 bits; at
         # that shift a gain of one multiplier LSB moves the output by < 2^-30 LSB.
         # In the lanes, acc's window [(lo − 1) 2^s − |m|, (hi + 1) 2^s + |m|] needs
         # out_bits + s + 1 bits, less one of rounding headroom: s <= lanes − 3 − out_bits
         # (a gain that then falls below the multiplier's LSB is a constant channel).
         max_shift = min(59, base.lanes - 3) - out_fmt.bits
-        gain, shift = cls._quantize_gain(np.ldexp(real_gain, -frac_bits), mult_bits, max_shift)
-        # The multipliers are N Python ints of mult_bits (<= 32) bits and 0 <= shift <= max_shift
-        # (_quantize_gain's contract): valid by construction; F_z and ε were checked by _structure.
-        cfg = derived_config(_structure(cls, key, params.eps, frac_bits), gain=gain, shift=shift)
-        z = cls.row_analysis(cfg).z  # the output stage is checked once, with β, by the op
-        bias = _output_bias(params.beta, cfg, max(-z.lo, z.hi))
-        # n Python ints; the check left is int64's range (the exact path can exceed it: refused by replace)
-        fits = -(1 << 63) <= min(bias) and max(bias) < 1 << 63
-        return cls(derived_config(cfg, bias=bias) if fits else replace(cfg, bias=bias), params)
+        return ChannelRule(
+            cls, key, eps, frac_bits, mult_bits, max_shift, base.gain_factor(), out_fmt.scale, base.inv_frac_bits
+        )
 
     @classmethod
     def _raw_stat_hi(cls, cfg: NormConfig) -> int:
@@ -1083,14 +1202,17 @@ class NormOp(IntOp):
 
     @classmethod
     def _report(
-        cls, cfg: NormConfig, gain: np.ndarray, bias: np.ndarray, window: OutputWindow | None = None
-    ) -> RangeReport:
+        cls, cfg: NormConfig, gain: np.ndarray, bias: np.ndarray, window: OutputWindow | None = None, *,
+        row: RowAnalysis | None = None, hulls: StageHulls | None = None,
+    ) -> RangeReport:  # fmt: skip
         """The report of ``cfg`` with int64 multipliers and biases ``gain``, ``bias``
-        (``window``: their output window, when already at hand)."""
-        row = cls.row_analysis(cfg)
+        (``window``, ``row``, ``hulls``: their output window, the config's row analysis
+        and the window's :func:`channel_hulls`, when already at hand)."""
+        row = cls.row_analysis(cfg) if row is None else row
         rep = RangeReport(cls.name)
         rep.items.update(row.items)
-        output_ranges(rep, cfg, gain, window or output_window(cfg, gain, bias, row.channel_z))
+        window = output_window(cfg, gain, bias, row.channel_z) if window is None else window
+        output_ranges(rep, cfg, channel_hulls(gain, window) if hulls is None else hulls)
         check_lanes(rep, cfg)
         return rep
 
@@ -1401,18 +1523,36 @@ def output_window(
     )
 
 
-def output_ranges(rep: RangeReport, cfg: NormConfig, gain: np.ndarray, win: OutputWindow) -> None:
-    """Stage 4: zc, scaled, acc, y, out as hulls of per-channel ranges (a channel's
-    zc reaches both ends of its window, so they are tight)."""
+@dataclass(frozen=True)
+class StageHulls:
+    """zc, scaled and acc over every channel: the hulls of the per-channel ranges of
+    stage 4 (a channel's zc reaches both ends of its window, so they are tight)."""
+
+    zc: Interval
+    scaled: Interval
+    acc: Interval
+
+
+def channel_hulls(gain: np.ndarray, win: OutputWindow) -> StageHulls:
+    """Stage 4's hulls for the multipliers ``gain`` and their output window."""
     wl, wh = win.lo - win.off, win.hi - win.off
     m = gain.astype(win.lo.dtype)
     p, q = wl * m, wh * m
     s_lo, s_hi = np.minimum(p, q), np.maximum(p, q)
+    return StageHulls(
+        zc=Interval(int(wl.min()), int(wh.max())),
+        scaled=Interval(int(s_lo.min()), int(s_hi.max())),
+        acc=Interval(int((s_lo + win.bias).min()), int((s_hi + win.bias).max())),
+    )
+
+
+def output_ranges(rep: RangeReport, cfg: NormConfig, hulls: StageHulls) -> None:
+    """Stage 4: zc, scaled, acc (checked against 63 bits), then y and out."""
     # The row analysis' entries passed their checks: only the new ones remain.
     stage = RangeReport(rep.op)
-    stage.add("zc", Interval(int(wl.min()), int(wh.max())))
-    stage.add("scaled", Interval(int(s_lo.min()), int(s_hi.max())))
-    acc = stage.add("acc", Interval(int((s_lo + win.bias).min()), int((s_hi + win.bias).max())))
+    stage.add("zc", hulls.zc)
+    stage.add("scaled", hulls.scaled)
+    acc = stage.add("acc", hulls.acc)
     stage.check()
     rep.items.update(stage.items)
     y = rep.add("y", acc.rshift(cfg.shift, cfg.rounding))

@@ -36,9 +36,11 @@ import numpy as np
 from qnorm.analysis import Interval, RangeReport
 from qnorm.fixedpoint import select
 from qnorm.ops._normcore import (
+    ChannelInts,
     FloatParams,
     NormConfig,
     NormOp,
+    RowAnalysis,
     RowStageForm,
     StatBounds,
     mantissa_range,
@@ -213,9 +215,9 @@ class ShiftLayerNorm(NormOp):
     inverse_name = "rsqrt_pow2"
     op_defaults = {"mantissa_terms": 2}
 
-    def __init__(self, config: ShiftNormConfig, params: FloatParams) -> None:
-        super().__init__(config, params)
-        g = np.asarray(config.gain, dtype=np.int64)
+    def _assemble(self, config: NormConfig, params: FloatParams, row: RowAnalysis, ints: ChannelInts | None) -> None:
+        super()._assemble(config, params, row, ints)
+        g = self._gain
         self._sign = np.sign(g)
         # l = bit_length(|g|) − 1 (0 for g = 0): the exponent of ±2^l, exact in float64
         self._log2 = np.maximum(np.frexp(g.astype(np.float64))[1] - 1, 0).astype(np.int64)
