@@ -40,12 +40,15 @@ against the golden op on rows reaching the analysis' extremes and on drawn confi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
 from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import Round
-from qnorm.nn.jitchain import RowChain, row_chain
+from qnorm.nn.jitchain import RowKernel, row_kernel, run_rows
 from qnorm.ops._normcore import NormOp, row_affine_parts
 
 INT32_LIMIT = 1 << 31
@@ -73,34 +76,58 @@ def _row_stage_bound(op: NormOp) -> int:
     return x * a0 + c0
 
 
-class ElementChain:
-    """The exact integer forward of one golden norm op, fused where it is proven equal."""
+@dataclass(frozen=True, eq=False)
+class _RowPlan:
+    """What a chain takes from its op's structure, the same for every op at one
+    (:attr:`~qnorm.ops._normcore.NormOp.structure`): the lanes, the tie rule's fusion,
+    the output range and the compiled loop's part (None: the numpy stages)."""
 
-    def __init__(self, op: NormOp) -> None:
+    dtype: torch.dtype
+    np_dtype: type
+    fused_rounding: bool
+    out: tuple[Any, Any]
+    kernel: RowKernel | None
+
+
+def _row_plan(op: NormOp) -> _RowPlan:
+    cfg = op.config
+    narrow = cfg.lanes == 32 and _row_stage_bound(op) < INT32_LIMIT
+    dtype, np_dtype = (torch.int32, np.int32) if narrow else (torch.int64, np.int64)
+    fused = cfg.rounding is Round.HALF_UP
+    kernel = row_kernel(op) if fused else None
+    return _RowPlan(dtype, np_dtype, fused, (np_dtype(cfg.out_fmt.lo), np_dtype(cfg.out_fmt.hi)), kernel)
+
+
+class ElementChain:
+    """The exact integer forward of one golden norm op, fused where it is proven equal.
+
+    ``like``: the chain of an earlier op; where both ops share a structure (they differ
+    only in their per-channel integers, as a training layer's ops of successive steps
+    do) its structural part is reused, not formed again."""
+
+    def __init__(self, op: NormOp, like: ElementChain | None = None) -> None:
         cfg = op.config
         self.op = op
-        self._compiled: RowChain | None = None  # the compiled loop (qnorm.nn.jitchain), where it applies
-        self.fused = cfg.rounding is Round.HALF_UP
-        narrow = cfg.lanes == 32 and _row_stage_bound(op) < INT32_LIMIT
-        self.dtype = torch.int32 if narrow else torch.int64
+        shared = like is not None and op.structure is not None and op.structure is like.op.structure
+        plan = self._plan = like._plan if shared else _row_plan(op)
+        self.dtype = plan.dtype
+        self._compiled: RowKernel | None = None  # the compiled loop (qnorm.nn.jitchain), where it applies
         win = op._window
         wide_window = any(v.dtype == object for v in (win.lo, win.hi, win.off, win.bias))
-        self.fused = self.fused and not wide_window
+        self.fused = plan.fused_rounding and not wide_window
         if not self.fused:
             return
         half_s = (1 << cfg.shift) >> 1
-
-        np_dtype = np.int32 if self.dtype == torch.int32 else np.int64
+        np_dtype = self._np_dtype = plan.np_dtype
 
         def channel(values: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(values, dtype=np.int64).astype(np_dtype)
+            return np.ascontiguousarray(values, dtype=np.int64).astype(np_dtype, copy=False)
 
-        self._np_dtype = np_dtype
         self._lo, self._hi, self._off = channel(win.lo), channel(win.hi), channel(win.off)
         self._gain, self._bias = channel(op._gain), channel(win.bias + half_s)
         self._shift = np_dtype(cfg.shift)
-        self._out = (np_dtype(cfg.out_fmt.lo), np_dtype(cfg.out_fmt.hi))
-        self._compiled = row_chain(op, self._lo, self._hi, self._off, self._gain, self._bias)
+        self._out = plan.out
+        self._compiled = plan.kernel
 
     def __call__(self, ints: torch.Tensor) -> torch.Tensor:
         """The op's integers for int64 ``ints`` (rows on the last axis, inside its
@@ -112,7 +139,9 @@ class ElementChain:
         if self._compiled is not None:
             out = np.empty(x.shape, dtype=self._np_dtype)
             n = self.op.config.n
-            self._compiled(x.astype(np.int64, copy=False).reshape(-1, n), out.reshape(-1, n))
+            rows = x.astype(np.int64, copy=False).reshape(-1, n)
+            run_rows(self._compiled, rows, out.reshape(-1, n), self._lo, self._hi, self._off, self._gain, self._bias,
+                     self.op.config.shift)  # fmt: skip
             return torch.from_numpy(out)
         with fp.proven_ranges():
             if not self.fused:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,9 +37,6 @@ from qnorm.ops._normcore import NormOp, z_shift_base
 
 STATISTICS = {"variance": 0, "centered_abs": 1, "prefix_squares": 2}
 INVERSES = {"rsqrt": 0, "reciprocal": 1, "pow2_table": 2}
-
-RowChain = Callable[[np.ndarray, np.ndarray], None]
-
 
 # Host code that calls numba: under torch.compile each entry point runs as an opaque call
 # (Dynamo cannot trace a compiled loop, and would trace past its functools caches).
@@ -79,32 +77,47 @@ def _describes_itself(cls: type) -> bool:
     return all(issubclass(form_cls, _defined_in(cls, name)) for name in ("_statistic", "_inverse", "row_inverse"))
 
 
+@dataclass(frozen=True, eq=False)
+class RowKernel:
+    """What the compiled row loop takes from an op's structure (every op at one structure
+    shares it; the per-channel window, gains, biases and the output shift are arguments
+    of :func:`run_rows`): the Shift norm's table, the stage scalars, the output range."""
+
+    thresholds: np.ndarray
+    steps: np.ndarray
+    scalars: tuple[int, ...]
+    out_lo: int
+    out_hi: int
+
+
 @torch.compiler.disable
-def row_chain(op: NormOp, lo: np.ndarray, hi: np.ndarray, off: np.ndarray, gain: np.ndarray,
-              bias: np.ndarray) -> RowChain | None:  # fmt: skip
-    """``run(x, out)``: the op's output integers of the int64 rows ``x`` (2-D, N columns)
-    written into ``out`` (its shape, the window arrays' dtype), with the element chain's
-    per-channel window ``lo``, ``hi``, ``off``, gain and bias (the output rounding's half
-    folded in).  None where the compiled loop does not apply: numba missing, no form, or
-    another tie rule than half up (the caller runs the golden stages)."""
+def row_kernel(op: NormOp) -> RowKernel | None:
+    """The compiled loop's part of ``op``'s structure, or None where the loop does not
+    apply: numba missing, no form, or another tie rule than half up (the caller runs the
+    golden stages)."""
     cfg = op.config
     form = op.row_stage_form()
     if form is None or not available() or not describes_itself(op) or cfg.rounding is not Round.HALF_UP:
         return None
-    kernel = _kernel(_rows)
-    thresholds = np.asarray(form.thresholds, dtype=np.int64)
-    steps = np.asarray(form.steps, dtype=np.int64)
     scalars = (
         STATISTICS[form.statistic], INVERSES[form.inverse], form.prefix, cfg.p, cfg.p * cfg.eps_shift, cfg.eps,
-        cfg.mant_bits, form.frac_bits, form.base, z_shift_base(cfg), op._mult_shift, cfg.centered, cfg.shift,
-        cfg.out_fmt.lo, cfg.out_fmt.hi,
+        cfg.mant_bits, form.frac_bits, form.base, z_shift_base(cfg), op._mult_shift, cfg.centered,
     )  # fmt: skip
+    thresholds = np.asarray(form.thresholds, dtype=np.int64)
+    return RowKernel(thresholds, np.asarray(form.steps, dtype=np.int64), scalars, cfg.out_fmt.lo, cfg.out_fmt.hi)
 
-    @torch.compiler.disable
-    def run(x: np.ndarray, out: np.ndarray) -> None:
-        kernel(x, out, thresholds, steps, lo, hi, off, gain, bias, *scalars)
 
-    return run
+@torch.compiler.disable
+def run_rows(kernel: RowKernel, x: np.ndarray, out: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray,
+             gain: np.ndarray, bias: np.ndarray, shift: int) -> None:  # fmt: skip
+    """The op's output integers of the int64 rows ``x`` (2-D, N columns) written into
+    ``out`` (its shape, the window arrays' dtype), with the element chain's per-channel
+    window ``lo``, ``hi``, ``off``, gain and bias (the output rounding's half folded in)
+    and the output shift."""
+    _kernel(_rows)(
+        x, out, kernel.thresholds, kernel.steps, lo, hi, off, gain, bias, *kernel.scalars, shift, kernel.out_lo,
+        kernel.out_hi,
+    )  # fmt: skip
 
 
 @torch.compiler.disable

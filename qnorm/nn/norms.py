@@ -64,10 +64,11 @@ from torch import nn
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.base import QATModule, param_array, require_qformat
+from qnorm.nn import jitderive
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate, exact_forward_in_graph, to_output
-from qnorm.ops._normcore import DEFAULT_OUT, NormOp
+from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, FloatParams, NormOp
 from qnorm.qformat import QFormat
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # the L1 norm's c: c · MAD = σ for Gaussian rows
@@ -94,6 +95,15 @@ def _prove_config(
     """``op_cls.from_float`` with unit γ (raises for a config it refuses).  Cached: a
     model's norms mostly share a config, and one derivation costs ~5-20 ms at N = 768-4096."""
     op_cls.from_float(np.ones(n), None, eps, fmt, out_fmt, rounding=rounding, **dict(options))
+
+
+@functools.lru_cache(maxsize=64)
+def _channel_rule(
+    op_cls: type[NormOp], n: int, eps: float, fmt: QFormat, out_fmt: QFormat, rounding: Round, options: tuple
+) -> ChannelRule:
+    """``op_cls.channel_rule`` of a layer's arguments, cached: a model's norms share a few,
+    and the calibrated input scale settles within a few steps."""
+    return op_cls.channel_rule(n, eps, fmt, out_fmt, rounding=rounding, **dict(options))
 
 
 def surrogate_eps(op: NormOp, eps: float) -> float:
@@ -176,7 +186,10 @@ class IntNorm(QATModule):
         ``from_float`` is a deterministic function of its arguments, so the last op
         is reused while they are unchanged (compared by value: γ and β bytes, the
         formats, ε, the rounding and the op options) — eval and frozen-parameter
-        forwards skip the derivation; a training step's update re-derives it.
+        forwards skip the derivation; a training step's update re-derives it: from
+        ``from_float``'s channel rule, kept while the formats, ε and options are
+        unchanged, with the per-channel part compiled where the ``fast`` extra is
+        installed (:mod:`qnorm.nn.jitderive`, tested equal to ``from_float``).
         """
         gamma = param_array(self.weight) if self.weight is not None else np.ones(self.channels)
         beta = param_array(self.bias) if self.bias is not None else None
@@ -188,7 +201,8 @@ class IntNorm(QATModule):
         memo = getattr(self, "_golden_memo", None)
         if memo is not None and memo[0] == key:
             return memo[1]
-        op = self.op_cls.from_float(gamma, beta, self.eps, fmt, self.out_fmt, rounding=self.rounding, **options)
+        rule = _channel_rule(self.op_cls, self.channels, self.eps, fmt, self.out_fmt, self.rounding, key[4])
+        op = rule.op(FloatParams.checked(gamma, beta, self.eps), jitderive.channel_ints)
         self._golden_memo = (key, op)
         return op
 
@@ -221,7 +235,7 @@ class IntNorm(QATModule):
         """The fast exact forward of ``op`` (:mod:`qnorm.nn.elementchain`), built once per op."""
         chain = getattr(self, "_chain", None)
         if chain is None or chain.op is not op:
-            chain = self._chain = ElementChain(op)
+            chain = self._chain = ElementChain(op, like=chain)
         return chain
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -965,7 +965,7 @@ class ChannelRule:
         cfg = derived_config(st.config, gain=ints.gain, shift=ints.shift)
         fits = -(1 << 63) <= min(ints.bias) and max(ints.bias) < 1 << 63
         cfg = derived_config(cfg, bias=ints.bias) if fits else replace(cfg, bias=ints.bias)
-        return self.op_cls._assembled(cfg, params, st.row, ints)  # the output stage is checked there, with β
+        return self.op_cls._assembled(cfg, params, st, ints)  # the output stage is checked there, with β
 
 
 @dataclass(frozen=True)
@@ -1003,11 +1003,18 @@ class NormOp(IntOp):
     op's own fields) and are cached per key; stage 4 (:func:`output_ranges`)
     needs only the extremes of m_c and B_c and runs vectorized per call.  Both
     are exact: the report is the one the unsplit analysis produced.
+
+    ``structure``: the :class:`ChannelStructure` an op derived by a :class:`ChannelRule`
+    was formed at (ops that share one differ only in their gains, shift and biases),
+    None for an op constructed from a config.
     """
 
     config_cls: ClassVar[type[NormConfig]]
     inverse_name: ClassVar[str]
     definition = DEFINITION_VERSION
+    # _quantize_gain's rule as data, for a second writing of it (qnorm.nn.jitderive):
+    # "dyadic" multipliers sharing one shift; an op that overrides _quantize_gain names its own.
+    gain_form: ClassVar[str] = "dyadic"
     op_defaults: ClassVar[dict[str, Any]]  # the op's own from_float options and defaults
     # what outputs wider than 8 bits default to instead (may also name mant_bits)
     wide_defaults: ClassVar[dict[str, Any]] = {}
@@ -1017,15 +1024,19 @@ class NormOp(IntOp):
             raise ValueError(f"{type(self).__name__} needs a {self.config_cls.__name__}, got {type(config).__name__}")
         if params.gamma.shape != (config.n,):
             raise ValueError(f"float parameters have {params.gamma.size} channels, the config {config.n}")
+        self.structure: ChannelStructure | None = None
         self._assemble(config, params, self.row_analysis(config), None)
 
     @classmethod
-    def _assembled(cls, config: NormConfig, params: FloatParams, row: RowAnalysis, ints: ChannelInts) -> NormOp:
-        """The op of a config its :class:`ChannelRule` formed (valid by construction), with
-        that rule's row analysis and the output window and hulls ``ints`` carries when the
-        writing that formed its integers computed them too."""
+    def _assembled(
+        cls, config: NormConfig, params: FloatParams, structure: ChannelStructure, ints: ChannelInts
+    ) -> NormOp:
+        """The op of a config formed at ``structure`` by its :class:`ChannelRule` (valid by
+        construction), with the output window and hulls ``ints`` carries when the writing
+        that formed its integers computed them too."""
         op = object.__new__(cls)
-        op._assemble(config, params, row, ints)
+        op.structure = structure
+        op._assemble(config, params, structure.row, ints)
         return op
 
     def _assemble(self, config: NormConfig, params: FloatParams, row: RowAnalysis, ints: ChannelInts | None) -> None:

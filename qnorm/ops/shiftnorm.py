@@ -212,6 +212,7 @@ class ShiftLayerNorm(NormOp):
     # for long rows) is applied to x as in every norm
     multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "mult", "offset", "xa")
     config_cls = ShiftNormConfig
+    gain_form = "pow2"  # _quantize_gain's signed powers of two ±2^l_c
     inverse_name = "rsqrt_pow2"
     op_defaults = {"mantissa_terms": 2}
 

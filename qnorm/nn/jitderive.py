@@ -1,0 +1,210 @@
+"""A QAT norm's per-step derivation of its per-channel integers as one compiled loop (numba).
+
+Every training step moves γ and β, so the layer derives its golden op again
+(:meth:`~qnorm.ops._normcore.ChannelRule.op`).  The structure (the config's widths,
+ε, the row analysis) is kept per rule and F_z; what is left per step is per channel:
+γ's multipliers and their shared shift (``_quantize_gain``), β in accumulator units
+clipped where the output saturates (``_output_bias``), the output window
+(:func:`~qnorm.ops._normcore.output_window`) and stage 4's hulls
+(:func:`~qnorm.ops._normcore.channel_hulls`).  In numpy that is ~60 calls on
+N-element vectors: ~150 µs at N = 32, and ~3× that inside a training step, where the
+forward and backward have left the caches cold.  Here :func:`channel_ints` forms the
+same integers in one loop over the channels (a :data:`~qnorm.ops._normcore.ChannelWriter`,
+handed to ``ChannelRule.op``), and the op still runs its range checks on the window
+and hulls it is given.
+
+A second writing of the definition, so it answers None — and the numpy part runs —
+wherever that part takes another road: a non-finite scaled γ or β, a gain that does
+not fit its multiplier, a β whose rounding is left to exact rationals (a near-tie
+against a non-power-of-two output scale, or a value past 2^62), and windows past 60
+bits (the numpy part's Python-int arrays).  ``tests/test_nn_norm_derivation.py`` holds
+it to the numpy part on drawn γ, β, formats and shifts, ties and edges included.
+
+The gain rule is the op's own, as data (``NormOp.gain_form``: one shared shift of
+dyadic multipliers, or ShiftLayerNorm's signed powers of two); an op whose
+``_quantize_gain`` is defined below the class that names its form is left to numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from qnorm.analysis import Interval
+from qnorm.nn.jitchain import _defined_in, _kernel, available
+from qnorm.ops._normcore import ChannelInts, ChannelStructure, NormOp, OutputWindow, StageHulls
+
+GAIN_FORMS = {"dyadic": 0, "pow2": 1}
+SQRT2 = math.sqrt(2.0)
+# What the kernel reports in its first status slot (0: formed; else the numpy part decides).
+FORMED = 0
+
+
+@functools.cache
+def describes_its_gains(op_cls: type[NormOp]) -> bool:
+    """Whether ``op_cls``'s ``gain_form`` comes from the class that defines its
+    ``_quantize_gain`` (or a subclass of it): else the form may describe another rule."""
+    return issubclass(_defined_in(op_cls, "gain_form"), _defined_in(op_cls, "_quantize_gain"))
+
+
+@functools.cache
+def _scalars(st: ChannelStructure) -> tuple | None:
+    """The kernel's arguments that belong to the structure (kept per structure), or None
+    where this writing does not apply to it."""
+    op_cls, cfg = st.op_cls, st.config
+    form = GAIN_FORMS.get(op_cls.gain_form)
+    if form is None or not describes_its_gains(op_cls) or not 2 <= st.mult_bits <= 32:
+        return None
+    lo, hi = np.empty(cfg.n, dtype=np.int64), np.empty(cfg.n, dtype=np.int64)
+    for start, stop, z in st.row.channel_z:
+        if max(-z.lo, z.hi) >= 1 << 62:
+            return None
+        lo[start:stop], hi[start:stop] = z.lo, z.hi
+    pow2_scale = math.frexp(cfg.out_fmt.scale)[0] == 0.5
+    fmt = cfg.out_fmt
+    return form, st.mult_bits, st.max_shift, float(fmt.scale), pow2_scale, fmt.lo, fmt.hi, st.z_abs, lo, hi, SQRT2
+
+
+@torch.compiler.disable
+def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> ChannelInts | None:
+    """The per-channel integers, output window and hulls ``ChannelRule.op``'s numpy part
+    forms for the scaled gains ``scaled`` (γ G / s_out 2^-F_z) and β, or None where this
+    writing does not apply (numba missing, a gain form it does not know, or one of the
+    roads left to the numpy part: module docstring)."""
+    scalars = _scalars(st) if available() else None
+    if scalars is None:
+        return None
+    n = st.config.n
+    out = np.empty((6, n), dtype=np.int64)  # gain, bias, the window's lo, hi, off, bias
+    status = np.zeros(8, dtype=np.int64)
+    _kernel(_channels)(
+        np.ascontiguousarray(scaled, dtype=np.float64), np.ascontiguousarray(beta, dtype=np.float64), *scalars,
+        out[0], out[1], out[2], out[3], out[4], out[5], status,
+    )  # fmt: skip
+    if status[0] != FORMED:
+        return None
+    gain, bias, lo, hi, off, wbias = out
+    shift, zc_lo, zc_hi, sc_lo, sc_hi, acc_lo, acc_hi = status[1:].tolist()
+    return ChannelInts(
+        gain=tuple(gain.tolist()),
+        shift=shift,
+        bias=tuple(bias.tolist()),
+        window=OutputWindow(lo=lo, hi=hi, off=off, bias=wbias),
+        hulls=StageHulls(Interval(zc_lo, zc_hi), Interval(sc_lo, sc_hi), Interval(acc_lo, acc_hi)),
+    )
+
+
+def _channels(scaled, beta, form, mult_bits, max_shift, scale, pow2_scale, out_lo, out_hi, z_abs,  # noqa: ANN001, C901
+              z_lo, z_hi, sqrt2, gain, bias, lo, hi, off, wbias, status):  # fmt: skip
+    """The loop :func:`channel_ints` compiles; ``status[0]`` 1 where the numpy part decides."""
+    # Every rounding is fixedpoint.round_float's half-up rule, written out: q = floor(t),
+    # plus one where t − q >= 1/2 (exact below 2^52).
+    n = scaled.shape[0]
+    status[0] = 1
+    for c in range(n):
+        if not (np.isfinite(scaled[c]) and np.isfinite(beta[c])):
+            return
+    # γ's multipliers and their shared shift s
+    if form == 0:  # fixedpoint.dyadic_vector: s from the largest |g| (Dyadic.from_float), then round(g 2^s)
+        big = 0.0
+        for c in range(n):
+            big = max(big, abs(scaled[c]))
+        s = 0
+        if big > 0:
+            limit = 1 << (mult_bits - 1)
+            q = np.floor(big)
+            if abs(q + 1.0 if big - q >= 0.5 else q) >= limit:
+                return
+            s = min(max_shift, max(mult_bits - 1 - math.frexp(big)[1], 0))
+            t = math.ldexp(big, s)
+            q = np.floor(t)
+            if abs(q + 1.0 if t - q >= 0.5 else q) >= limit:
+                s -= 1
+        for c in range(n):
+            t = math.ldexp(scaled[c], s)
+            q = np.floor(t)
+            gain[c] = np.int64(q + 1.0 if t - q >= 0.5 else q)
+    else:  # ShiftLayerNorm._quantize_gain: ±2^(round(log2 |g|) + s), flushed to 0 below the grid
+        top = -(1 << 62)
+        logs = np.zeros(n, dtype=np.int64)
+        for c in range(n):
+            if scaled[c] != 0:
+                f, e = math.frexp(abs(scaled[c]))
+                logs[c] = e - 1 + (1 if 2 * f >= sqrt2 else 0)
+                top = max(top, logs[c])
+        s = 0
+        if top > -(1 << 62):
+            s = min(max_shift, mult_bits - 2 - top)
+            if s < 0:
+                return
+        for c in range(n):
+            l2 = logs[c] + s
+            if scaled[c] == 0 or l2 < 0:
+                gain[c] = 0
+            else:
+                gain[c] = (np.int64(1) << l2) if scaled[c] > 0 else -(np.int64(1) << l2)
+    m_abs = np.int64(0)
+    for c in range(n):
+        m_abs = max(m_abs, abs(gain[c]))
+    # β in accumulator units, clipped where the output saturates (_output_bias; its exact roads declined)
+    top_acc, bot_acc = np.int64(out_hi + 1) << s, np.int64(out_lo - 1) << s
+    reach_limit = (np.int64(1) << 62) - max(top_acc, -bot_acc)
+    if m_abs != 0 and z_abs > (reach_limit - 1) // m_abs:
+        return
+    for c in range(n):
+        t = math.ldexp(beta[c], s) / scale
+        size = abs(t)
+        if pow2_scale:
+            if not size < 2.0**62:
+                return
+        else:
+            frac = t - np.floor(t)
+            if not (size < 2.0**36 and abs(frac - 0.5) > math.ldexp(size + 1.0, -40)):
+                return
+        q = np.floor(t)
+        reach = abs(gain[c]) * z_abs
+        bias[c] = min(max(np.int64(q + 1.0 if t - q >= 0.5 else q), bot_acc - reach), top_acc + reach)
+    # the output window (output_window), declined past 60 bits
+    zw_abs = np.int64(0)
+    b_abs = np.int64(0)
+    for c in range(n):
+        zw_abs = max(zw_abs, max(-z_lo[c], z_hi[c]))
+        b_abs = max(b_abs, abs(bias[c]))
+    wide_limit = (np.int64(1) << 60) - m_abs
+    if max(top_acc, -bot_acc, b_abs, zw_abs) >= wide_limit or (m_abs != 0 and zw_abs > (wide_limit - 1) // m_abs):
+        return
+    for c in range(n):
+        m, b0 = gain[c], bias[c]
+        if m == 0:
+            lo[c], hi[c], off[c], wbias[c] = 0, 0, 0, b0
+            continue
+        o = -(b0 // m)
+        b = b0 + o * m
+        if m > 0:
+            wl, wh = (bot_acc - b) // m, -((b - top_acc) // m)
+        else:
+            wl, wh = (top_acc - b) // m, -((b - bot_acc) // m)
+        fl, fh = z_lo[c] - o, z_hi[c] - o
+        wlo, whi = max(wl, fl), min(wh, fh)
+        if wlo > whi:  # a constant channel: the bias alone saturates
+            lo[c], hi[c], off[c] = 0, 0, 0
+            wbias[c] = top_acc if (m > 0) == (fl > wh) else bot_acc
+        else:
+            lo[c], hi[c], off[c], wbias[c] = wlo + o, whi + o, o, b
+    # stage 4's hulls (channel_hulls)
+    for c in range(n):
+        wl, wh = lo[c] - off[c], hi[c] - off[c]
+        p, q = wl * gain[c], wh * gain[c]
+        s_lo, s_hi = min(p, q), max(p, q)
+        if c == 0:
+            status[2], status[3], status[4], status[5] = wl, wh, s_lo, s_hi
+            status[6], status[7] = s_lo + wbias[c], s_hi + wbias[c]
+        else:
+            status[2], status[3] = min(status[2], wl), max(status[3], wh)
+            status[4], status[5] = min(status[4], s_lo), max(status[5], s_hi)
+            status[6], status[7] = min(status[6], s_lo + wbias[c]), max(status[7], s_hi + wbias[c])
+    status[1] = s
+    status[0] = FORMED
