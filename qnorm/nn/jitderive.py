@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from qnorm.analysis import Interval
-from qnorm.nn.jitchain import _defined_in, _kernel, available
+from qnorm.nn.jitchain import _defined_in, _kernel, _numba
 from qnorm.ops._normcore import ChannelInts, ChannelStructure, NormOp, OutputWindow, StageHulls
 
 GAIN_FORMS = {"dyadic": 0, "pow2": 1}
@@ -50,22 +51,34 @@ def describes_its_gains(op_cls: type[NormOp]) -> bool:
     return issubclass(_defined_in(op_cls, "gain_form"), _defined_in(op_cls, "_quantize_gain"))
 
 
+@dataclass(frozen=True, eq=False)
+class _StructureArgs:
+    """The kernel's arguments that belong to a structure, packed (few arguments: each costs
+    the call its own type check): the integer scalars, the float ones, z's bounds per
+    channel (row 0 lo, row 1 hi)."""
+
+    ints: np.ndarray  # gain form, mult_bits, max_shift, pow2 output scale, out lo, out hi, max |z|
+    floats: np.ndarray  # the output scale, sqrt(2)
+    z: np.ndarray
+
+
 @functools.cache
-def _scalars(st: ChannelStructure) -> tuple | None:
-    """The kernel's arguments that belong to the structure (kept per structure), or None
-    where this writing does not apply to it."""
+def _structure_args(st: ChannelStructure) -> _StructureArgs | None:
+    """:class:`_StructureArgs` of ``st`` (kept per structure), or None where this writing
+    does not apply to it."""
     op_cls, cfg = st.op_cls, st.config
     form = GAIN_FORMS.get(op_cls.gain_form)
     if form is None or not describes_its_gains(op_cls) or not 2 <= st.mult_bits <= 32:
         return None
-    lo, hi = np.empty(cfg.n, dtype=np.int64), np.empty(cfg.n, dtype=np.int64)
-    for start, stop, z in st.row.channel_z:
-        if max(-z.lo, z.hi) >= 1 << 62:
+    z = np.empty((2, cfg.n), dtype=np.int64)
+    for start, stop, iv in st.row.channel_z:
+        if max(-iv.lo, iv.hi) >= 1 << 62:
             return None
-        lo[start:stop], hi[start:stop] = z.lo, z.hi
-    pow2_scale = math.frexp(cfg.out_fmt.scale)[0] == 0.5
+        z[0, start:stop], z[1, start:stop] = iv.lo, iv.hi
     fmt = cfg.out_fmt
-    return form, st.mult_bits, st.max_shift, float(fmt.scale), pow2_scale, fmt.lo, fmt.hi, st.z_abs, lo, hi, SQRT2
+    pow2_scale = math.frexp(fmt.scale)[0] == 0.5
+    ints = np.array([form, st.mult_bits, st.max_shift, pow2_scale, fmt.lo, fmt.hi, st.z_abs], dtype=np.int64)
+    return _StructureArgs(ints, np.array([fmt.scale, SQRT2], dtype=np.float64), z)
 
 
 @torch.compiler.disable
@@ -74,15 +87,14 @@ def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> 
     forms for the scaled gains ``scaled`` (γ G / s_out 2^-F_z) and β, or None where this
     writing does not apply (numba missing, a gain form it does not know, or one of the
     roads left to the numpy part: module docstring)."""
-    scalars = _scalars(st) if available() else None
-    if scalars is None:
+    args = _structure_args(st) if _numba() is not None else None
+    if args is None:
         return None
-    n = st.config.n
-    out = np.empty((6, n), dtype=np.int64)  # gain, bias, the window's lo, hi, off, bias
+    out = np.empty((6, st.config.n), dtype=np.int64)  # gain, bias, the window's lo, hi, off, bias
     status = np.zeros(8, dtype=np.int64)
     _kernel(_channels)(
-        np.ascontiguousarray(scaled, dtype=np.float64), np.ascontiguousarray(beta, dtype=np.float64), *scalars,
-        out[0], out[1], out[2], out[3], out[4], out[5], status,
+        np.ascontiguousarray(scaled, dtype=np.float64), np.ascontiguousarray(beta, dtype=np.float64), args.ints,
+        args.floats, args.z, out, status,
     )  # fmt: skip
     if status[0] != FORMED:
         return None
@@ -97,9 +109,13 @@ def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> 
     )
 
 
-def _channels(scaled, beta, form, mult_bits, max_shift, scale, pow2_scale, out_lo, out_hi, z_abs,  # noqa: ANN001, C901
-              z_lo, z_hi, sqrt2, gain, bias, lo, hi, off, wbias, status):  # fmt: skip
+def _channels(scaled, beta, ints, floats, zb, out, status):  # noqa: ANN001, C901
     """The loop :func:`channel_ints` compiles; ``status[0]`` 1 where the numpy part decides."""
+    form, mult_bits, max_shift, pow2_scale = ints[0], ints[1], ints[2], ints[3]
+    out_lo, out_hi, z_abs = ints[4], ints[5], ints[6]
+    scale, sqrt2 = floats[0], floats[1]
+    z_lo, z_hi = zb[0], zb[1]
+    gain, bias, lo, hi, off, wbias = out[0], out[1], out[2], out[3], out[4], out[5]
     # Every rounding is fixedpoint.round_float's half-up rule, written out: q = floor(t),
     # plus one where t − q >= 1/2 (exact below 2^52).
     n = scaled.shape[0]

@@ -142,6 +142,8 @@ class FloatParams:
     @staticmethod
     def checked_eps(eps: Any) -> float:
         """ε as a float, refused unless it is a finite real scalar >= 0."""
+        if type(eps) is float and 0.0 <= eps < math.inf:  # the common case, without an array
+            return eps
         e = _real_array("eps", eps)
         if e.ndim != 0:
             raise ValueError(f"eps must be a scalar, got shape {e.shape}")
@@ -151,11 +153,12 @@ class FloatParams:
 
 
 def _real_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as a new float64 array, refused unless real-valued and finite."""
     a = np.asarray(value)
-    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+    if a.dtype.kind not in "fiu":  # a bool array's kind is "b"
         raise ValueError(f"{name} must be real-valued, got dtype {a.dtype}")
     a = a.astype(np.float64)
-    if not np.all(np.isfinite(a)):
+    if not np.isfinite(a).all():
         raise ValueError(f"{name} contains NaN or Inf; it needs a finite value")
     return a
 
