@@ -22,6 +22,7 @@ from torch import nn
 
 from benchmarks._timing import Timing, interleaved, ratio
 from qnorm.nn import IntNorm
+from qnorm.nn.elementchain import ElementChain
 from qnorm.train.data import load_digits_data
 from qnorm.train.families import FAMILIES
 from qnorm.train.models import build_model
@@ -37,22 +38,23 @@ def _norm_layers(model: nn.Module) -> list[IntNorm]:
 
 
 def reuse_derivation(model: nn.Module) -> None:
-    """Every integer norm layer keeps the golden op it derives now: its forward no longer
-    re-derives the op from the step's γ, β and format (their updates go unseen)."""
+    """Every integer norm layer keeps the golden op it derives now and that op's element
+    chain: its forward no longer re-derives the op from the step's γ, β and format (their
+    updates go unseen)."""
     for layer in _norm_layers(model):
         op = layer.golden()
-        layer.golden = lambda in_fmt=None, op=op: op  # an instance attribute: this model only
+        chain = ElementChain(op)
+        layer.golden = lambda in_fmt=None, op=op: op  # instance attributes: this model only
+        layer._integers = lambda fmt, device, chain=chain, op=op: (chain, op.config)
 
 
 def drop_element_chain(model: nn.Module) -> None:
     """Every integer norm layer's integers become its input integers clamped to the output
     range (one torch call) instead of the per-row stage and the element chain."""
-
-    def clamped(op):
-        return lambda ints: ints.clamp(op.out_fmt.lo, op.out_fmt.hi)
-
     for layer in _norm_layers(model):
-        layer._element_chain = clamped
+        op = layer.golden()
+        clamped = lambda ints, op=op: ints.clamp(op.out_fmt.lo, op.out_fmt.hi)  # noqa: E731
+        layer._integers = lambda fmt, device, clamped=clamped, op=op: (clamped, op.config)
 
 
 # Bound name -> what it takes out of each integer norm layer, in order.

@@ -17,9 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qnorm import nn as qnn
 from qnorm import ops
 from qnorm.analysis import OverflowRiskError
 from qnorm.nn import jitderive
+from qnorm.nn.base import param_array
 from qnorm.nn.elementchain import ElementChain
 from qnorm.ops._normcore import ChannelRule, FloatParams, NormOp
 from qnorm.qformat import QFormat
@@ -203,3 +205,93 @@ def test_a_chain_like_an_earlier_one_shares_only_a_common_structure(kind):
     assert other.structure is not first.structure
     assert ElementChain(other, like=chain)._plan is not chain._plan
     assert ElementChain(op_cls(other.config, other.params), like=chain)._plan is not chain._plan  # no structure
+
+
+# --------------------------------------------------------------------------- a training layer's step chains
+
+LAYERS = {
+    "int_ln": (qnn.IntLayerNorm, {}),
+    "l1": (qnn.L1LayerNorm, {}),
+    "shift2": (qnn.ShiftLayerNorm, {"mantissa_terms": 2}),
+    "shift1": (qnn.ShiftLayerNorm, {"mantissa_terms": 1}),
+    "int_rms": (qnn.IntRMSNorm, {}),
+    "partial_rms": (qnn.IntRMSNorm, {"partial": 0.5}),
+}
+
+
+def cold(layer: qnn.IntLayerNorm, options: dict) -> NormOp:
+    beta = None if layer.bias is None else param_array(layer.bias)
+    return type(layer).op_cls.from_float(
+        param_array(layer.weight), beta, layer.eps, layer.input_quant.fmt, layer.out_fmt, rounding=layer.rounding,
+        **options,
+    )  # fmt: skip
+
+
+@given(
+    kind=st.sampled_from(sorted(LAYERS)),
+    n=st.sampled_from([1, 5, 32, 100]),
+    in_fmt=st.sampled_from([QFormat(8, 0.05), QFormat(4, 0.5), QFormat(16, 2.0**-10)]),
+    out_fmt=st.sampled_from([QFormat.power_of_two(8, -5), QFormat(8, 0.0371), QFormat(16, 2.0**-12)]),
+    moves=st.lists(st.sampled_from(["small", "scale", "flip", "zero", "big_beta"]), min_size=3, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_each_step_chain_gives_the_integers_of_the_op_from_floats(kind, n, in_fmt, out_fmt, moves, seed):
+    """A layer with a fixed input format keeps its rule, so after the first step its
+    forwards take step chains; every step's integers are those of ``from_float`` on
+    that step's floats, whether the step chain formed them or the layer fell back (γ
+    asking for another F_z, β no step chain takes)."""
+    cls, options = LAYERS[kind]
+    layer = cls(n, 1e-5, in_fmt=in_fmt, out_fmt=out_fmt, **options).train()
+    gen = torch.Generator().manual_seed(seed)
+    took = []
+    for move in ["small", *moves]:
+        with torch.no_grad():  # an optimizer step: γ and β move in place
+            if move == "small":
+                layer.weight.add_(0.05 * torch.randn(n, generator=gen))
+            elif move == "scale":
+                layer.weight.mul_(4.0)  # γ G / s_out two octaves up: F_z moves
+            elif move == "flip":
+                layer.weight.neg_()
+            elif move == "zero":
+                layer.weight[: n // 2] = 0.0
+            if layer.bias is not None:
+                layer.bias.add_((1e6 if move == "big_beta" else 0.05) * torch.randn(n, generator=gen))
+        x = torch.randn(6, n, generator=gen) * in_fmt.scale * 40
+        y = layer(x)
+        took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
+        want = cold(layer, options)
+        ints = want.forward(in_fmt.quantize(x.numpy()))
+        assert torch.equal(y.detach(), torch.from_numpy(ints).to(y.dtype) * want.out_fmt.scale)
+        got = layer.golden()  # formed now where the step chain did without it: the same op
+        assert got.config == want.config
+    assert not took[0]  # the first step forms the op (and the deriver)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_a_training_layer_takes_step_chains_while_its_format_holds(kind):
+    cls, options = LAYERS[kind]
+    layer = cls(32, 1e-5, in_fmt=QFormat(8, 0.05), **options).train()
+    took = []
+    for step in range(4):
+        with torch.no_grad():
+            layer.weight.add_(0.01 * (step + 1))
+        layer(torch.randn(8, 32))
+        took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
+    assert took == [False, True, True, True]
+    assert layer._derivation.op is None and layer.golden() is layer._derivation.op
+
+
+def test_a_step_chain_outside_its_lanes_falls_back_to_the_op():
+    """The deriver's check is the op's: a γ whose output stage leaves the lanes is not
+    taken by a step chain, and the op refuses it with its own message."""
+    layer = qnn.IntLayerNorm(4, in_fmt=QFormat(8, 1.0), out_fmt=QFormat(8, 2.0**-8)).train()
+    layer(torch.randn(3, 4))
+    with torch.no_grad():
+        layer.weight.fill_(1e9)
+    want = outcome(lambda: cold(layer, {}))
+    got = outcome(lambda: layer(torch.randn(3, 4)))
+    if isinstance(want, NormOp):
+        assert isinstance(got, torch.Tensor)
+    else:
+        assert got == want

@@ -110,7 +110,7 @@ class ElementChain:
         self.op = op
         shared = like is not None and op.structure is not None and op.structure is like.op.structure
         plan = self._plan = like._plan if shared else _row_plan(op)
-        self.dtype = plan.dtype
+        self.dtype, self.np_dtype = plan.dtype, plan.np_dtype
         self._compiled: RowKernel | None = None  # the compiled loop (qnorm.nn.jitchain), where it applies
         win = op._window
         wide_window = any(v.dtype == object for v in (win.lo, win.hi, win.off, win.bias))

@@ -38,9 +38,6 @@ from qnorm.ops._normcore import NormOp, z_shift_base
 STATISTICS = {"variance": 0, "centered_abs": 1, "prefix_squares": 2}
 INVERSES = {"rsqrt": 0, "reciprocal": 1, "pow2_table": 2}
 
-# Host code that calls numba: under torch.compile each entry point runs as an opaque call
-# (Dynamo cannot trace a compiled loop, and would trace past its functools caches).
-@torch.compiler.disable
 def available() -> bool:
     """Whether numba (the ``fast`` extra) is installed and imports: the loops run only then.
 
@@ -90,6 +87,9 @@ class RowKernel:
     out_hi: int
 
 
+# Host code that calls numba: under torch.compile each entry point that traced code reaches
+# runs as an opaque call (Dynamo cannot trace a compiled loop, and would trace past its
+# functools caches).  The norm layers reach these through one such call of their own.
 @torch.compiler.disable
 def row_kernel(op: NormOp) -> RowKernel | None:
     """The compiled loop's part of ``op``'s structure, or None where the loop does not
@@ -107,7 +107,6 @@ def row_kernel(op: NormOp) -> RowKernel | None:
     return RowKernel(thresholds, np.asarray(form.steps, dtype=np.int64), scalars, cfg.out_fmt.lo, cfg.out_fmt.hi)
 
 
-@torch.compiler.disable
 def run_rows(kernel: RowKernel, x: np.ndarray, out: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray,
              gain: np.ndarray, bias: np.ndarray, shift: int) -> None:  # fmt: skip
     """The op's output integers of the int64 rows ``x`` (2-D, N columns) written into

@@ -34,14 +34,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qnorm.analysis import Interval
-from qnorm.nn.jitchain import _defined_in, _kernel, _numba
-from qnorm.ops._normcore import ChannelInts, ChannelStructure, NormOp, OutputWindow, StageHulls
+from qnorm.analysis import SAFE_INT64_BITS, Interval
+from qnorm.fixedpoint import bits_for
+from qnorm.nn.jitchain import RowKernel, _defined_in, _kernel, _numba, run_rows
+from qnorm.ops._normcore import (
+    GUARD_BITS,
+    ChannelInts,
+    ChannelRule,
+    ChannelStructure,
+    NormOp,
+    OutputWindow,
+    StageHulls,
+)
 
 GAIN_FORMS = {"dyadic": 0, "pow2": 1}
 SQRT2 = math.sqrt(2.0)
-# What the kernel reports in its first status slot (0: formed; else the numpy part decides).
+# What the kernel reports in its first status slot: formed, or γ asks for another F_z
+# (anything else: the numpy part decides).
 FORMED = 0
+OTHER_FRAC_BITS = 2
+SCALED_GAINS = np.zeros(1)  # the kernel's gamma_rule for gains already scaled (channel_ints)
 
 
 @functools.cache
@@ -93,8 +105,8 @@ def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> 
     out = np.empty((6, st.config.n), dtype=np.int64)  # gain, bias, the window's lo, hi, off, bias
     status = np.zeros(8, dtype=np.int64)
     _kernel(_channels)(
-        np.ascontiguousarray(scaled, dtype=np.float64), np.ascontiguousarray(beta, dtype=np.float64), args.ints,
-        args.floats, args.z, out, status,
+        np.ascontiguousarray(scaled, dtype=np.float64), np.ascontiguousarray(beta, dtype=np.float64), SCALED_GAINS,
+        args.ints, args.floats, args.z, out, status,
     )  # fmt: skip
     if status[0] != FORMED:
         return None
@@ -109,8 +121,94 @@ def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> 
     )
 
 
-def _channels(scaled, beta, ints, floats, zb, out, status):  # noqa: ANN001, C901
-    """The loop :func:`channel_ints` compiles; ``status[0]`` 1 where the numpy part decides."""
+@dataclass(frozen=True, eq=False)
+class StepChain:
+    """One training step's integers without assembling its op: the compiled row loop with
+    the per-channel integers :class:`StepDeriver` formed (the window, gains, and biases
+    with the output rounding's half folded in, all int64) and the output shift."""
+
+    kernel: RowKernel
+    np_dtype: type
+    lo: np.ndarray
+    hi: np.ndarray
+    off: np.ndarray
+    gain: np.ndarray
+    bias: np.ndarray
+    shift: int
+
+    def __call__(self, ints: torch.Tensor) -> torch.Tensor:
+        """The op's integers for int64 CPU ``ints`` (rows on the last axis, inside its input
+        format), in the chain's lanes: equal to ``ElementChain(op)(ints)``."""
+        x = ints.contiguous().numpy()
+        out = np.empty(x.shape, dtype=self.np_dtype)
+        n = self.lo.shape[0]
+        rows = x.astype(np.int64, copy=False).reshape(-1, n)
+        run_rows(self.kernel, rows, out.reshape(-1, n), self.lo, self.hi, self.off, self.gain, self.bias, self.shift)
+        return torch.from_numpy(out)
+
+
+class StepDeriver:
+    """A training layer's derivation at one structure, compiled end to end.
+
+    Built from an op its rule formed (:meth:`ChannelRule.op`) and that op's chain.  Each
+    step, one compiled call scales γ as the rule does, checks that it asks for the same
+    F_z (so the same structure), and forms the gains, shift, biases and output window
+    (:func:`channel_ints`' loop); the result is a :class:`StepChain`, the op's integers
+    without the op.  The op's own range checks are not run again: its row stages passed
+    them at this structure when the first op was assembled, and of stage 4 the outputs
+    y and out need no more bits than acc and the output format, so the op accepts
+    exactly when zc, scaled and acc fit ``min(63, lanes − 1)`` bits — checked here, and
+    where they do not (or the loop declines, or F_z moves) None sends the layer back to
+    ``ChannelRule.op``, which refuses or forms what it always did."""
+
+    def __init__(self, rule: ChannelRule, op: NormOp, kernel: RowKernel, np_dtype: type) -> None:
+        st = op.structure
+        cfg = st.config
+        self.rule, self.structure = rule, st
+        self._args = _structure_args(st)
+        self._kernel = kernel
+        self._np_dtype = np_dtype
+        self._gamma_rule = np.array(
+            [1.0, rule.gain_factor, rule.out_scale, rule.inv_frac_bits, GUARD_BITS, cfg.frac_bits], dtype=np.float64
+        )
+        self._limit = min(SAFE_INT64_BITS, cfg.lanes - 1)
+
+    @classmethod
+    def of(cls, rule: ChannelRule, op: NormOp, kernel: RowKernel | None, np_dtype: type) -> StepDeriver | None:
+        """The deriver at ``op``'s structure, or None where it does not apply: an op formed
+        elsewhere than by ``rule``, no compiled row loop (``kernel`` None), an explicit F_z,
+        a structure the loop does not take."""
+        st = op.structure
+        if st is None or kernel is None or rule.frac_bits is not None or st.op_cls is not rule.op_cls:
+            return None
+        if _numba() is None or _structure_args(st) is None:
+            return None
+        return cls(rule, op, kernel, np_dtype)
+
+    def __call__(self, gamma: np.ndarray, beta: np.ndarray) -> StepChain | None:
+        """The step chain of float64 γ and β (N each), or None (class docstring)."""
+        args = self._args
+        out = np.empty((6, gamma.shape[0]), dtype=np.int64)  # gain, bias, the window's lo, hi, off, bias
+        status = np.zeros(8, dtype=np.int64)
+        _kernel(_channels)(gamma, beta, self._gamma_rule, args.ints, args.floats, args.z, out, status)
+        if status[0] != FORMED:
+            return None
+        shift, zc_lo, zc_hi, sc_lo, sc_hi, acc_lo, acc_hi = status[1:].tolist()
+        if max(bits_for(zc_lo, zc_hi), bits_for(sc_lo, sc_hi), bits_for(acc_lo, acc_hi)) > self._limit:
+            return None
+        out[5] += (1 << shift) >> 1
+        lanes = out if self._np_dtype is np.int64 else out.astype(self._np_dtype)  # the element chain's lanes
+        return StepChain(self._kernel, self._np_dtype, lanes[2], lanes[3], lanes[4], lanes[0], lanes[5], shift)
+
+
+def _channels(values, beta, gamma_rule, ints, floats, zb, out, status):  # noqa: ANN001, C901
+    """The loop :func:`channel_ints` and :class:`StepDeriver` compile; ``status[0]`` 1 where
+    the numpy part decides, :data:`OTHER_FRAC_BITS` where γ asks for another F_z.
+
+    ``gamma_rule[0]`` 0: ``values`` are the scaled gains.  1: ``values`` are γ, scaled
+    here as ``ChannelRule.op`` does (``real = γ · G / s_out``, F_z by
+    ``default_frac_bits``, ``real · 2^-F_z``), with G, s_out, F_r, the guard bits and
+    the structure's F_z in ``gamma_rule[1:]``."""
     form, mult_bits, max_shift, pow2_scale = ints[0], ints[1], ints[2], ints[3]
     out_lo, out_hi, z_abs = ints[4], ints[5], ints[6]
     scale, sqrt2 = floats[0], floats[1]
@@ -118,11 +216,30 @@ def _channels(scaled, beta, ints, floats, zb, out, status):  # noqa: ANN001, C90
     gain, bias, lo, hi, off, wbias = out[0], out[1], out[2], out[3], out[4], out[5]
     # Every rounding is fixedpoint.round_float's half-up rule, written out: q = floor(t),
     # plus one where t − q >= 1/2 (exact below 2^52).
-    n = scaled.shape[0]
+    n = values.shape[0]
     status[0] = 1
     for c in range(n):
-        if not (np.isfinite(scaled[c]) and np.isfinite(beta[c])):
+        if not (np.isfinite(values[c]) and np.isfinite(beta[c])):
             return
+    scaled = values
+    if gamma_rule[0] == 1:
+        real = np.empty(n, dtype=np.float64)
+        big = 0.0
+        for c in range(n):
+            real[c] = values[c] * gamma_rule[1] / gamma_rule[2]
+            big = max(big, abs(real[c]))
+        if not np.isfinite(big):
+            return
+        want = gamma_rule[4]  # default_frac_bits: ceil_log2(max |real|) + guard bits, within [0, F_r]
+        if big > 0:
+            f, k = math.frexp(big)
+            want += k - 1 if f == 0.5 else k
+        if min(max(want, 0.0), gamma_rule[3]) != gamma_rule[5]:
+            status[0] = OTHER_FRAC_BITS
+            return
+        for c in range(n):
+            real[c] = math.ldexp(real[c], -np.int64(gamma_rule[5]))
+        scaled = real
     # γ's multipliers and their shared shift s
     if form == 0:  # fixedpoint.dyadic_vector: s from the largest |g| (Dyadic.from_float), then round(g 2^s)
         big = 0.0

@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, ClassVar
 
@@ -63,12 +63,12 @@ from torch import nn
 
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
-from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn import jitderive
+from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
-from qnorm.nn.quantizer import InputQuantizer, is_quant_tensor
+from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate, exact_forward_in_graph, to_output
-from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, FloatParams, NormOp
+from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, FloatParams, NormConfig, NormOp
 from qnorm.qformat import QFormat
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # the L1 norm's c: c · MAD = σ for Gaussian rows
@@ -106,7 +106,7 @@ def _channel_rule(
     return op_cls.channel_rule(n, eps, fmt, out_fmt, rounding=rounding, **dict(options))
 
 
-def surrogate_eps(op: NormOp, eps: float) -> float:
+def surrogate_eps(config: NormConfig, eps: float) -> float:
     """The ε of the surrogate's float op: the layer's, or where that is 0, one unit of the
     golden op's statistic in real units (``1 / eps_exact(1)``: ε is linear in it).
 
@@ -118,7 +118,25 @@ def surrogate_eps(op: NormOp, eps: float) -> float:
     smallest statistic it divides by, and the surrogate's gradient stays finite where
     the integer output is defined.  A row whose statistic is W units gets 1/W of it
     added: little on any row that is not nearly constant."""
-    return eps if eps > 0 else float(1 / op.config.eps_exact(1.0))
+    return eps if eps > 0 else float(1 / config.eps_exact(1.0))
+
+
+Integers = Callable[[torch.Tensor], torch.Tensor]  # int64 input integers -> the op's output integers
+
+
+@dataclass(eq=False)
+class _Derivation:
+    """A layer's derivation for one set of floats and formats (``key``): its rule, the
+    float γ and β it read, the op (None until asked for, where a step chain did without
+    it), the op's config (the structure's, for a step chain) and the integers' chain."""
+
+    key: tuple[Any, ...]
+    rule: ChannelRule
+    gamma: np.ndarray
+    beta: np.ndarray | None
+    op: NormOp | None
+    config: NormConfig
+    chain: Integers | None
 
 
 class IntNorm(QATModule):
@@ -191,20 +209,39 @@ class IntNorm(QATModule):
         unchanged, with the per-channel part compiled where the ``fast`` extra is
         installed (:mod:`qnorm.nn.jitderive`, tested equal to ``from_float``).
         """
+        d = self._derive(self.input_format(in_fmt), lean=False)
+        if d.op is None:  # a training forward's step chain needed none: formed now, from the same floats
+            d.op = d.rule.op(FloatParams.checked(d.gamma, d.beta, self.eps), jitderive.channel_ints)
+            d.config = d.op.config
+        return d.op
+
+    def _derive(self, fmt: QFormat, lean: bool) -> _Derivation:
+        """The derivation for the current floats and ``fmt`` (the last one while they are
+        unchanged).  ``lean``: a step chain without the op will do (a CPU forward), so the
+        layer's :class:`~qnorm.nn.jitderive.StepDeriver` may form it; else, or where it
+        declines, the op itself (``ChannelRule.op``)."""
         gamma = param_array(self.weight) if self.weight is not None else np.ones(self.channels)
         beta = param_array(self.bias) if self.bias is not None else None
-        fmt, options = self.input_format(in_fmt), self._op_options()
+        options = tuple(sorted(self._op_options().items()))
         key = (
-            fmt, self.out_fmt, self.eps, self.rounding, tuple(sorted(options.items())), gamma.tobytes(),
+            fmt, self.out_fmt, self.eps, self.rounding, options, gamma.tobytes(),
             None if beta is None else beta.tobytes(),
         )  # fmt: skip
-        memo = getattr(self, "_golden_memo", None)
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        rule = _channel_rule(self.op_cls, self.channels, self.eps, fmt, self.out_fmt, self.rounding, key[4])
-        op = rule.op(FloatParams.checked(gamma, beta, self.eps), jitderive.channel_ints)
-        self._golden_memo = (key, op)
-        return op
+        memo = getattr(self, "_derivation", None)
+        if memo is not None and memo.key == key:
+            return memo
+        rule = _channel_rule(self.op_cls, self.channels, self.eps, fmt, self.out_fmt, self.rounding, options)
+        deriver = getattr(self, "_deriver", None)
+        chain = None
+        if lean and deriver is not None and deriver.rule is rule:
+            chain = deriver(gamma, np.zeros(self.channels) if beta is None else beta)
+        if chain is not None:
+            d = _Derivation(key, rule, gamma, beta, None, deriver.structure.config, chain)
+        else:
+            op = rule.op(FloatParams.checked(gamma, beta, self.eps), jitderive.channel_ints)
+            d = _Derivation(key, rule, gamma, beta, op, op.config, None)
+        self.__dict__["_derivation"] = d
+        return d
 
     def _op_options(self) -> dict[str, Any]:
         return {}
@@ -216,36 +253,52 @@ class IntNorm(QATModule):
 
         The integers come from :class:`~qnorm.nn.elementchain.ElementChain`: the op's
         own per-row stages and its per-element chain fused (tested equal to the
-        golden body).  They run inside :func:`qnorm.fixedpoint.proven_ranges`: ``op``
-        exists, so its range analysis passed for every input of ``q.fmt``, and
-        ``q.ints`` lie in ``q.fmt`` (the quantizer saturates; an IntQuantTensor's
-        integers are checked against its declared width), so fixedpoint's per-call
-        operand checks (two reductions each, a device sync each on a GPU) are skipped.
+        golden body), or in a training step on the CPU from the layer's
+        :class:`~qnorm.nn.jitderive.StepDeriver` (the same integers, without assembling
+        the op).  They run inside :func:`qnorm.fixedpoint.proven_ranges`: the op's range
+        analysis passed for every input of ``q.fmt``, and ``q.ints`` lie in ``q.fmt``
+        (the quantizer saturates; an IntQuantTensor's integers are checked against its
+        declared width), so fixedpoint's per-call operand checks (two reductions each, a
+        device sync each on a GPU) are skipped.
         """
         self._check_dtype(x)
         q = self.quantize_input(x)
-        op = self.golden(q.fmt)
+        ints, config = self._golden_ints(q)
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        ints = self._element_chain(op)(q.ints)
         # fresh: the surrogate ends in a clamp (_surrogate), whose backward reads only its input
-        y = exact_forward_in_graph(ints, op.out_fmt.scale, self._surrogate(op), q, params, fresh=True)
-        return to_output(y, op.out_fmt, self.return_quant_tensor, self.training)
+        y = exact_forward_in_graph(ints, self.out_fmt.scale, self._surrogate(config), q, params, fresh=True)
+        return to_output(y, self.out_fmt, self.return_quant_tensor, self.training)
 
-    def _element_chain(self, op: NormOp) -> ElementChain:
-        """The fast exact forward of ``op`` (:mod:`qnorm.nn.elementchain`), built once per op."""
-        chain = getattr(self, "_chain", None)
-        if chain is None or chain.op is not op:
-            chain = self._chain = ElementChain(op, like=chain)
-        return chain
+    # One opaque call under torch.compile for the derivation and the integers (numba inside);
+    # the compiled loops it reaches need no guard of their own on this road.
+    @torch.compiler.disable
+    def _golden_ints(self, q: QuantizedInput) -> tuple[torch.Tensor, NormConfig]:
+        """The golden op's output integers of ``q`` and the op's config."""
+        integers, config = self._integers(q.fmt, q.ints.device)
+        return integers(q.ints), config
+
+    def _integers(self, fmt: QFormat, device: torch.device) -> tuple[Integers, NormConfig]:
+        """What computes the golden op's integers of the current floats and ``fmt`` on
+        ``device``'s int64 input, and the op's config (its formats and ε)."""
+        d = self._derive(fmt, lean=device.type == "cpu")
+        if d.chain is None:
+            if d.op is None:
+                self.golden(fmt)
+            chain = d.chain = ElementChain(d.op, like=getattr(self, "_last_chain", None))
+            kernel = chain._compiled if chain.fused else None
+            # the per-step state bypasses Module.__setattr__ (no parameter, buffer or module)
+            self.__dict__["_last_chain"] = chain
+            self.__dict__["_deriver"] = jitderive.StepDeriver.of(d.rule, d.op, kernel, chain.np_dtype)
+        return d.chain, d.config
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The unquantized float op on ``x`` with the float γ, β, ε (no rounding, no clip)."""
         return self._float_op(x, self.weight, self.bias, self.eps)
 
-    def _surrogate(self, op: NormOp) -> Surrogate:
+    def _surrogate(self, config: NormConfig) -> Surrogate:
         lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
         has_w, has_b = self.weight is not None, self.bias is not None
-        eps = surrogate_eps(op, self.eps)
+        eps = surrogate_eps(config, self.eps)
 
         def surrogate(xd: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
             w = params[0] if has_w else None
