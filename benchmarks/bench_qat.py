@@ -23,6 +23,7 @@ from torch import nn
 from benchmarks._timing import Timing, interleaved, ratio
 from qnorm.nn import IntNorm
 from qnorm.nn.elementchain import ElementChain
+from qnorm.qformat import QFormat
 from qnorm.train.data import load_digits_data
 from qnorm.train.families import FAMILIES
 from qnorm.train.models import build_model
@@ -53,8 +54,17 @@ def drop_element_chain(model: nn.Module) -> None:
     range (one torch call) instead of the per-row stage and the element chain."""
     for layer in _norm_layers(model):
         op = layer.golden()
-        clamped = lambda ints, op=op: ints.clamp(op.out_fmt.lo, op.out_fmt.hi)  # noqa: E731
-        layer._integers = lambda fmt, device, clamped=clamped, op=op: (clamped, op.config)
+        layer._integers = lambda fmt, device, op=op: (_Clamped(op.out_fmt), op.config)
+
+
+class _Clamped:
+    """The input integers clamped to the output range, in place of an op's chain."""
+
+    def __init__(self, fmt: QFormat) -> None:
+        self.fmt = fmt
+
+    def values(self, ints: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        return ints.clamp(self.fmt.lo, self.fmt.hi).to(dtype) * scale
 
 
 # Bound name -> what it takes out of each integer norm layer, in order.

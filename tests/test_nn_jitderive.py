@@ -268,16 +268,21 @@ def test_each_step_chain_gives_the_integers_of_the_op_from_floats(kind, n, in_fm
     assert not took[0]  # the first step forms the op (and the deriver)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", sorted(LAYERS))
-def test_a_training_layer_takes_step_chains_while_its_format_holds(kind):
+def test_a_training_layer_takes_step_chains_while_its_format_holds(kind, dtype):
     cls, options = LAYERS[kind]
-    layer = cls(32, 1e-5, in_fmt=QFormat(8, 0.05), **options).train()
+    layer = cls(32, 1e-5, in_fmt=QFormat(8, 0.05), out_fmt=QFormat(8, 0.0371), **options).to(dtype).train()
     took = []
     for step in range(4):
         with torch.no_grad():
             layer.weight.add_(0.01 * (step + 1))
-        layer(torch.randn(8, 32))
+        x = torch.randn(8, 32, dtype=dtype)
+        y = layer(x)
         took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
+        want = cold(layer, options)
+        ints = torch.from_numpy(want.forward(want.in_fmt.quantize(x.numpy())))
+        assert y.dtype == dtype and torch.equal(y.detach(), ints.to(dtype) * want.out_fmt.scale)
     assert took == [False, True, True, True]
     assert layer._derivation.op is None and layer.golden() is layer._derivation.op
 

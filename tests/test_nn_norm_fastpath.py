@@ -298,3 +298,20 @@ def test_mult_shift_bisection_is_the_linear_search(kind):
                 limit = 1 << (cfg.lanes - 2)
                 linear = next(j for j in range(63) if xa_bound(cfg, products, j) < limit)
                 assert mult_shift(cfg, products) == linear == row.mult_shift, (n, fmts, eps)
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [2.0**-5, 0.0371, 1.3e-4, 3.0])
+@pytest.mark.parametrize("fmts", ["int8", "int16"])
+@pytest.mark.parametrize("kind", ["int_ln", "shift2", "rms"])
+def test_the_chains_values_are_the_integers_times_the_scale_as_torch_forms_them(kind, fmts, scale, dtype, path):
+    """``values``: the compiled loop writes ``y · scale`` in the float dtype itself; bit for
+    bit torch's ``ints.to(dtype) * scale`` (int16's largest integers included)."""
+    op = make_op(kind, 64, fmts)
+    chain = chain_on(op, path)
+    x = torch.from_numpy(extreme_rows(op.in_fmt, 64, seed=2))
+    got = chain.values(x, scale, dtype)
+    want = chain(x).to(dtype) * scale
+    assert got.dtype == dtype and torch.equal(got.view(torch.int32 if dtype == torch.float32 else torch.int64),
+                                              want.view(torch.int32 if dtype == torch.float32 else torch.int64))

@@ -49,6 +49,7 @@ import torch
 from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import Round
 from qnorm.nn.jitchain import RowKernel, row_kernel, run_rows
+from qnorm.nn.quantizer import NUMPY_FLOATS, exact_scaled
 from qnorm.ops._normcore import NormOp, row_affine_parts
 
 INT32_LIMIT = 1 << 31
@@ -129,26 +130,39 @@ class ElementChain:
         self._out = plan.out
         self._compiled = plan.kernel
 
+    def values(self, ints: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """``self(ints).to(dtype) * scale`` as torch forms it; the compiled loop writes these
+        floats itself (float32/float64), without the integers in between."""
+        if self._compiled is not None and ints.device.type == "cpu" and dtype in NUMPY_FLOATS:
+            return torch.from_numpy(self._run(ints, NUMPY_FLOATS[dtype], scale))
+        return exact_scaled(self(ints), dtype, scale)
+
     def __call__(self, ints: torch.Tensor) -> torch.Tensor:
         """The op's integers for int64 ``ints`` (rows on the last axis, inside its
         input format): int32 or int64, equal to ``op._forward(ints)``."""
         if ints.device.type != "cpu":
             with fp.proven_ranges():
                 return self.op._forward(ints, None)
-        x = ints.contiguous().numpy()
         if self._compiled is not None:
-            out = np.empty(x.shape, dtype=self._np_dtype)
-            n = self.op.config.n
-            rows = x.astype(np.int64, copy=False).reshape(-1, n)
-            run_rows(self._compiled, rows, out.reshape(-1, n), self._lo, self._hi, self._off, self._gain, self._bias,
-                     self.op.config.shift)  # fmt: skip
-            return torch.from_numpy(out)
+            return torch.from_numpy(self._run(ints, self._np_dtype, None))
+        x = ints.contiguous().numpy()
         with fp.proven_ranges():
             if not self.fused:
                 return torch.from_numpy(self.op._forward(x, None))
             s1, r, e = self.op.row_inverse(x)
             a0, c0, up, k = row_affine_parts(s1, r, e, self.op.config, self.op._mult_shift)
         return torch.from_numpy(self._elements(x, a0, c0, up, k))
+
+    def _run(self, ints: torch.Tensor, dtype: type, scale: float | None) -> np.ndarray:
+        """The compiled loop on CPU ``ints``: the integers in ``dtype`` (``scale`` None) or
+        the integers times ``scale`` (a float dtype)."""
+        x = ints.contiguous().numpy()
+        out = np.empty(x.shape, dtype=dtype)
+        n = self.op.config.n
+        rows = x.astype(np.int64, copy=False).reshape(-1, n)
+        run_rows(self._compiled, rows, out.reshape(-1, n), self._lo, self._hi, self._off, self._gain, self._bias,
+                 self.op.config.shift, scale)  # fmt: skip
+        return out
 
     def _elements(self, x: np.ndarray, a0: np.ndarray, c0: np.ndarray | int, up: np.ndarray,
                   k: np.ndarray) -> np.ndarray:  # fmt: skip

@@ -108,14 +108,18 @@ def row_kernel(op: NormOp) -> RowKernel | None:
 
 
 def run_rows(kernel: RowKernel, x: np.ndarray, out: np.ndarray, lo: np.ndarray, hi: np.ndarray, off: np.ndarray,
-             gain: np.ndarray, bias: np.ndarray, shift: int) -> None:  # fmt: skip
+             gain: np.ndarray, bias: np.ndarray, shift: int, scale: float | None = None) -> None:  # fmt: skip
     """The op's output integers of the int64 rows ``x`` (2-D, N columns) written into
-    ``out`` (its shape, the window arrays' dtype), with the element chain's per-channel
-    window ``lo``, ``hi``, ``off``, gain and bias (the output rounding's half folded in)
-    and the output shift."""
+    ``out`` (its shape), with the element chain's per-channel window ``lo``, ``hi``,
+    ``off``, gain and bias (the output rounding's half folded in) and the output shift.
+    ``out`` holds the integers (an integer array, ``scale`` None) or, a float32/float64
+    array, each integer times ``scale`` as torch forms it (the scale in that dtype, one
+    IEEE multiply: an integer below 2^24 times a float32 is exact in float64, so
+    rounding that product once to float32 is the float32 product)."""
+    factor = np.ones(1, dtype=out.dtype) if scale is None else np.full(1, scale, dtype=out.dtype)
     _kernel(_rows)(
         x, out, kernel.thresholds, kernel.steps, lo, hi, off, gain, bias, *kernel.scalars, shift, kernel.out_lo,
-        kernel.out_hi,
+        kernel.out_hi, factor,
     )  # fmt: skip
 
 
@@ -160,7 +164,7 @@ def _kernel(loop: Callable[..., None]) -> Any:
 
 
 def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
-          mant_bits, frac_bits, base, zbase, mult_shift, centered, shift, out_lo, out_hi):  # fmt: skip
+          mant_bits, frac_bits, base, zbase, mult_shift, centered, shift, out_lo, out_hi, factor):  # fmt: skip
     """The loop :func:`row_chain` compiles: every row's stages 1–3, then its elements."""
     rows, n = x.shape
     for i in range(rows):
@@ -234,4 +238,4 @@ def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse
             z = ((x[i, j] * a0 - offset) >> k) << up
             z = min(max(z, lo[j]), hi[j])
             y = ((z - off[j]) * gain[j] + bias[j]) >> shift
-            out[i, j] = min(max(y, out_lo), out_hi)
+            out[i, j] = min(max(y, out_lo), out_hi) * factor[0]

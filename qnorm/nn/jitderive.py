@@ -37,6 +37,7 @@ import torch
 from qnorm.analysis import SAFE_INT64_BITS, Interval
 from qnorm.fixedpoint import bits_for
 from qnorm.nn.jitchain import RowKernel, _defined_in, _kernel, _numba, run_rows
+from qnorm.nn.quantizer import NUMPY_FLOATS, exact_scaled
 from qnorm.ops._normcore import (
     GUARD_BITS,
     ChannelInts,
@@ -139,12 +140,22 @@ class StepChain:
     def __call__(self, ints: torch.Tensor) -> torch.Tensor:
         """The op's integers for int64 CPU ``ints`` (rows on the last axis, inside its input
         format), in the chain's lanes: equal to ``ElementChain(op)(ints)``."""
+        return torch.from_numpy(self._run(ints, self.np_dtype, None))
+
+    def values(self, ints: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """``self(ints).to(dtype) * scale`` as torch forms it (:meth:`ElementChain.values`)."""
+        if dtype in NUMPY_FLOATS:
+            return torch.from_numpy(self._run(ints, NUMPY_FLOATS[dtype], scale))
+        return exact_scaled(self(ints), dtype, scale)
+
+    def _run(self, ints: torch.Tensor, dtype: type, scale: float | None) -> np.ndarray:
         x = ints.contiguous().numpy()
-        out = np.empty(x.shape, dtype=self.np_dtype)
+        out = np.empty(x.shape, dtype=dtype)
         n = self.lo.shape[0]
         rows = x.astype(np.int64, copy=False).reshape(-1, n)
-        run_rows(self.kernel, rows, out.reshape(-1, n), self.lo, self.hi, self.off, self.gain, self.bias, self.shift)
-        return torch.from_numpy(out)
+        run_rows(self.kernel, rows, out.reshape(-1, n), self.lo, self.hi, self.off, self.gain, self.bias, self.shift,
+                 scale)  # fmt: skip
+        return out
 
 
 class StepDeriver:

@@ -51,10 +51,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ from qnorm.nn import jitderive
 from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
-from qnorm.nn.surrogate import Output, Surrogate, exact_forward_in_graph, to_output
+from qnorm.nn.surrogate import Output, Surrogate, surrogate_in_graph, to_output
 from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, FloatParams, NormConfig, NormOp
 from qnorm.qformat import QFormat
 
@@ -121,7 +121,11 @@ def surrogate_eps(config: NormConfig, eps: float) -> float:
     return eps if eps > 0 else float(1 / config.eps_exact(1.0))
 
 
-Integers = Callable[[torch.Tensor], torch.Tensor]  # int64 input integers -> the op's output integers
+class Integers(Protocol):
+    """What forms an op's output from its int64 input integers (an ElementChain, a StepChain)."""
+
+    def values(self, ints: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """The op's output integers times ``scale`` in float ``dtype``, as torch forms it."""
 
 
 @dataclass(eq=False)
@@ -263,19 +267,20 @@ class IntNorm(QATModule):
         """
         self._check_dtype(x)
         q = self.quantize_input(x)
-        ints, config = self._golden_ints(q)
+        exact, config = self._golden_values(q)
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
         # fresh: the surrogate ends in a clamp (_surrogate), whose backward reads only its input
-        y = exact_forward_in_graph(ints, self.out_fmt.scale, self._surrogate(config), q, params, fresh=True)
+        y = surrogate_in_graph(exact, self._surrogate(config), q, params, fresh=True)
         return to_output(y, self.out_fmt, self.return_quant_tensor, self.training)
 
     # One opaque call under torch.compile for the derivation and the integers (numba inside);
     # the compiled loops it reaches need no guard of their own on this road.
     @torch.compiler.disable
-    def _golden_ints(self, q: QuantizedInput) -> tuple[torch.Tensor, NormConfig]:
-        """The golden op's output integers of ``q`` and the op's config."""
-        integers, config = self._integers(q.fmt, q.ints.device)
-        return integers(q.ints), config
+    def _golden_values(self, q: QuantizedInput) -> tuple[torch.Tensor, NormConfig]:
+        """The golden op's output integers of ``q`` times the output scale, in the input's
+        float dtype (exactly as torch forms that product), and the op's config."""
+        chain, config = self._integers(q.fmt, q.ints.device)
+        return chain.values(q.ints, self.out_fmt.scale, q.value.dtype), config
 
     def _integers(self, fmt: QFormat, device: torch.device) -> tuple[Integers, NormConfig]:
         """What computes the golden op's integers of the current floats and ``fmt`` on

@@ -106,6 +106,16 @@ def exact_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
+def exact_scaled(ints: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``ints.to(dtype) * scale`` as torch forms it (the scale in ``dtype``, one IEEE
+    multiply); on the CPU in numpy, in place, at a fraction of two torch calls' cost."""
+    if ints.device.type == "cpu" and dtype in NUMPY_FLOATS:
+        out = ints.numpy().astype(NUMPY_FLOATS[dtype])
+        out *= NUMPY_FLOATS[dtype](scale)
+        return torch.from_numpy(out)
+    return ints.to(dtype) * scale
+
+
 def quantized_input(x: torch.Tensor, fmt: QFormat, peak: float | None) -> QuantizedInput:
     """Float ``x`` (every value finite, max |x| = ``peak``; None when empty) quantized to
     ``fmt``: :func:`quantize_float`'s integers and mask, and ``ints · scale`` in ``x``'s dtype.
@@ -121,7 +131,7 @@ def quantized_input(x: torch.Tensor, fmt: QFormat, peak: float | None) -> Quanti
             ints, dequant, mask = (torch.from_numpy(a) for a in fused)
             return QuantizedInput(ints, fmt, x, dequant, mask)
     ints, inside = quantize_float(x, fmt, peak)
-    return QuantizedInput(ints, fmt, x, exact_float(ints, x.dtype) * fmt.scale, exact_float(inside, x.dtype))
+    return QuantizedInput(ints, fmt, x, exact_scaled(ints, x.dtype, fmt.scale), exact_float(inside, x.dtype))
 
 
 def int_quant_tensor_type() -> type:

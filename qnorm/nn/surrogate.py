@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qnorm.nn.quantizer import QuantizedInput, exact_float, int_quant_tensor_type
+from qnorm.nn.quantizer import QuantizedInput, exact_scaled, int_quant_tensor_type
 from qnorm.qformat import QFormat
 
 Output = torch.Tensor | Any  # Any: a brevitas IntQuantTensor (brevitas is optional)
@@ -97,8 +97,20 @@ def exact_forward_in_graph(
     saves only its input), so the exact values are written into it and the clone
     (a copy and an autograd node per call) is skipped.
     """
+    return surrogate_in_graph(exact_scaled(ints, q.value.dtype, float(out_scale)), surrogate, q, params, fresh=fresh)
+
+
+def surrogate_in_graph(
+    exact: torch.Tensor,
+    surrogate: Surrogate,
+    q: QuantizedInput,
+    params: Sequence[torch.Tensor],
+    *,
+    fresh: bool = False,
+) -> torch.Tensor:
+    """:func:`exact_forward_in_graph` for an exact output already formed (``ints * out_scale``
+    in the input's dtype)."""
     value = q.value
-    exact = exact_float(ints, value.dtype) * float(out_scale)
     if not torch.is_grad_enabled() or not (value.requires_grad or any(p.requires_grad for p in params)):
         return exact
     xd = q.dequant
