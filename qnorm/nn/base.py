@@ -25,8 +25,12 @@ from qnorm.qformat import QFormat
 
 
 def param_array(p: torch.Tensor) -> np.ndarray:
-    """A parameter or buffer as float64 numpy (exact: float32 -> float64 widens)."""
-    return p.detach().to("cpu", torch.float64).numpy()
+    """A parameter or buffer as a float64 numpy array of its own (exact: float32 -> float64
+    widens); a CPU float32/float64 tensor through its numpy view (one torch call fewer)."""
+    t = p.detach()
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+        return t.numpy().astype(np.float64)
+    return t.to("cpu", torch.float64).numpy()
 
 
 def fmt_metadata(fmt: QFormat) -> dict[str, Any]:

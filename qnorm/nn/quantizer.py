@@ -269,8 +269,14 @@ class InputQuantizer(nn.Module):
         peak = float(self.format_max_abs)
         if peak <= 0:
             return None
+        key = (peak, self.bits, self.signed, self.pow2)
+        made = self.__dict__.get("_made_fmt")
+        if made is not None and made[0] == key:  # the dead band holds a range for many steps
+            return made[1]
         scale = peak / self.hi
-        return QFormat(self.bits, power_of_two_ceil(scale) if self.pow2 else scale, self.signed)
+        fmt = QFormat(self.bits, power_of_two_ceil(scale) if self.pow2 else scale, self.signed)
+        self.__dict__["_made_fmt"] = (key, fmt)  # past Module.__setattr__: no parameter or buffer
+        return fmt
 
     def forward(self, x: torch.Tensor | Any) -> QuantizedInput:
         if is_quant_tensor(x):
@@ -283,7 +289,8 @@ class InputQuantizer(nn.Module):
             return q
         extremes = finite_extremes(x)
         peak = None if extremes is None else max(-extremes[0], extremes[1])
-        self._qt_fmt = None
+        if self._qt_fmt is not None:
+            self._qt_fmt = None
         if self.training and self.fixed is None:
             self._calibrate_on(x, 0.0 if peak is None else peak)
         fmt = self.fmt
