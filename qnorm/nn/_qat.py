@@ -26,7 +26,8 @@ The recipe:
    implementation.  The norm layers run the op's own per-row stages on numpy and a
    fused int32 element chain instead (:mod:`qnorm.nn.elementchain`, tested equal), or,
    with the ``fast`` extra, both as one compiled loop (:mod:`qnorm.nn.jitchain`, a
-   second writing of those stages, tested equal).
+   second writing of those stages, tested equal), and in a training step derive the
+   op's per-channel integers in a compiled loop too (:mod:`qnorm.nn.jitderive`).
    The float output is ``ints.to(dtype) * out_scale`` in the input's float dtype:
    exactly what the golden integers mean.
 4. **Backward**: :func:`exact_forward` wraps (3) in a custom autograd Function whose
@@ -36,7 +37,8 @@ The recipe:
    clipped.  (``y_float + (y_q - y_float).detach()`` is avoided on purpose: that sum
    is rounded in float arithmetic and is not bit-identical to ``y_q``.)  The norm
    layers build the same surrogate in the forward's graph and swap its value for the
-   exact one (:func:`exact_forward_in_graph`: the same gradients, one autograd pass).
+   exact one (:func:`exact_forward_in_graph`: the same gradients, one autograd pass;
+   :func:`surrogate_in_graph` where the exact values are already formed).
 5. **Output**: a float tensor, or an ``IntQuantTensor`` (zero point 0) with
    ``return_quant_tensor=True``, so a layer sits between Brevitas layers without glue.
 
@@ -99,7 +101,14 @@ from qnorm.nn.quantizer import (
     quantize_float,
     quantized_input,
 )
-from qnorm.nn.surrogate import Output, Surrogate, exact_forward, exact_forward_in_graph, to_output
+from qnorm.nn.surrogate import (
+    Output,
+    Surrogate,
+    exact_forward,
+    exact_forward_in_graph,
+    surrogate_in_graph,
+    to_output,
+)
 from qnorm.nn.sync import all_reduce_max, distributed, synced_batch_norm, synced_moments
 
 __all__ = [
@@ -129,6 +138,7 @@ __all__ = [
     "quantize_float",
     "quantized_input",
     "rational_bn_constants",
+    "surrogate_in_graph",
     "synced_batch_norm",
     "synced_moments",
     "to_op_layout",

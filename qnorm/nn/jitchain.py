@@ -165,7 +165,7 @@ def _kernel(loop: Callable[..., None]) -> Any:
 
 def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
           mant_bits, frac_bits, base, zbase, mult_shift, centered, shift, out_lo, out_hi, factor):  # fmt: skip
-    """The loop :func:`row_chain` compiles: every row's stages 1–3, then its elements."""
+    """The loop :func:`run_rows` runs: every row's stages 1–3, then its elements."""
     rows, n = x.shape
     for i in range(rows):
         # stage 1: the statistic, then W = S·2^(p g) + ε_int (W = 0 counts as 1)

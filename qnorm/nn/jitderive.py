@@ -40,6 +40,7 @@ from qnorm.nn.jitchain import RowKernel, _defined_in, _kernel, _numba, run_rows
 from qnorm.nn.quantizer import NUMPY_FLOATS, exact_scaled
 from qnorm.ops._normcore import (
     GUARD_BITS,
+    STRUCTURE_CACHE_SIZE,
     ChannelInts,
     ChannelRule,
     ChannelStructure,
@@ -75,10 +76,12 @@ class _StructureArgs:
     z: np.ndarray
 
 
-@functools.cache
+# Bounded as the structures themselves are (a calibrating layer forms a new one each time
+# its format moves): an unbounded cache would keep every one alive for the process.
+@functools.lru_cache(maxsize=STRUCTURE_CACHE_SIZE)
 def _structure_args(st: ChannelStructure) -> _StructureArgs | None:
-    """:class:`_StructureArgs` of ``st`` (kept per structure), or None where this writing
-    does not apply to it."""
+    """:class:`_StructureArgs` of ``st`` (kept for recent structures), or None where this
+    writing does not apply to it."""
     op_cls, cfg = st.op_cls, st.config
     form = GAIN_FORMS.get(op_cls.gain_form)
     if form is None or not describes_its_gains(op_cls) or not 2 <= st.mult_bits <= 32:

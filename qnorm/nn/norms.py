@@ -9,23 +9,26 @@ arguments, same ``weight``/``bias``/``eps`` attributes).
 **Forward** (bit-exact, :mod:`qnorm.nn._qat`: the recipe): the input is quantized (a fixed
 ``in_fmt``, a per-tensor scale calibrated in training, or a Brevitas
 ``IntQuantTensor``'s own integers); the golden op is re-derived from the current
-float γ, β, ε by its own ``from_float`` in every forward (γ into per-channel dyadic
-multipliers — powers of two for ShiftLayerNorm — and β into accumulator units, so a
-training step's parameter update is seen by the next forward; while γ, β, ε and the
-formats are unchanged, as in eval, the last derivation is reused); the op's integers
-come from :class:`~qnorm.nn.elementchain.ElementChain` (the op's own per-row stages and
-its per-element chain fused, in int32 where proven, or with the ``fast`` extra one
-compiled loop of both; tested equal to the golden body),
-inside :func:`qnorm.fixedpoint.proven_ranges` (the op's range analysis covers every
-input of its format, so the per-call operand checks are skipped), and the output is
-``golden_ints * out_fmt.scale`` in the input's float dtype, exactly.
+float γ, β, ε in every forward, as its own ``from_float`` derives it (γ into
+per-channel dyadic multipliers — powers of two for ShiftLayerNorm — and β into
+accumulator units, so a training step's parameter update is seen by the next
+forward; while γ, β, ε and the formats are unchanged, as in eval, the last derivation
+is reused); the op's integers come from :class:`~qnorm.nn.elementchain.ElementChain`
+(the op's own per-row stages and its per-element chain fused, in int32 where proven,
+or with the ``fast`` extra one compiled loop of both; tested equal to the golden
+body), inside :func:`qnorm.fixedpoint.proven_ranges` (the op's range analysis covers
+every input of its format, so the per-call operand checks are skipped), and the
+output is ``golden_ints * out_fmt.scale`` in the input's float dtype, exactly.  With
+the ``fast`` extra a CPU training step does the derivation's per-channel part and the
+integers in compiled loops, without assembling the op (:mod:`qnorm.nn.jitderive`: the
+same integers as ``from_float``'s op, tested; ``golden()`` forms the op when asked).
 
 **Backward**: the vector-Jacobian product of the float op the integer op
 approximates, at the dequantized input with the float γ, β, clipped to the output
 format's range (a straight-through estimator that is zero where the output
 saturates, as for Brevitas' activation quantizers); the input quantizer passes the
 gradient where it did not clip.  The surrogate is evaluated in the forward's own graph
-and its value replaced by the exact output (:func:`~qnorm.nn.surrogate.exact_forward_in_graph`:
+and its value replaced by the exact output (:func:`~qnorm.nn.surrogate.surrogate_in_graph`:
 the gradients of :func:`~qnorm.nn.surrogate.exact_forward`, without a second autograd
 pass in the backward).  Per layer the surrogate is
 
@@ -68,7 +71,7 @@ from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate, surrogate_in_graph, to_output
-from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, FloatParams, NormConfig, NormOp
+from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, ChannelWriter, FloatParams, NormConfig, NormOp
 from qnorm.qformat import QFormat
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # the L1 norm's c: c · MAD = σ for Gaussian rows
@@ -215,9 +218,15 @@ class IntNorm(QATModule):
         """
         d = self._derive(self.input_format(in_fmt), lean=False)
         if d.op is None:  # a training forward's step chain needed none: formed now, from the same floats
-            d.op = d.rule.op(FloatParams.checked(d.gamma, d.beta, self.eps), jitderive.channel_ints)
+            d.op = d.rule.op(FloatParams.checked(d.gamma, d.beta, self.eps), self._writer())
             d.config = d.op.config
         return d.op
+
+    def _writer(self) -> ChannelWriter | None:
+        """The compiled per-channel writer in training, where the layer derives every step
+        (its first call compiles it, ~2 s); elsewhere a derivation runs once per set of
+        parameters and the numpy part serves it."""
+        return jitderive.channel_ints if self.training else None
 
     def _derive(self, fmt: QFormat, lean: bool) -> _Derivation:
         """The derivation for the current floats and ``fmt`` (the last one while they are
@@ -242,7 +251,7 @@ class IntNorm(QATModule):
         if chain is not None:
             d = _Derivation(key, rule, gamma, beta, None, deriver.structure.config, chain)
         else:
-            op = rule.op(FloatParams.checked(gamma, beta, self.eps), jitderive.channel_ints)
+            op = rule.op(FloatParams.checked(gamma, beta, self.eps), self._writer())
             d = _Derivation(key, rule, gamma, beta, op, op.config, None)
         self.__dict__["_derivation"] = d
         return d
