@@ -300,3 +300,16 @@ def test_a_step_chain_outside_its_lanes_falls_back_to_the_op():
         assert isinstance(got, torch.Tensor)
     else:
         assert got == want
+
+
+def test_a_step_chains_floats_on_another_device_take_the_ops_chain():
+    """A step chain runs CPU input only: asked for another device with the same floats (a
+    layer moved after a CPU step), the layer forms the op and its element chain."""
+    layer = qnn.IntLayerNorm(16, in_fmt=QFormat(8, 0.05)).train()
+    for _ in range(2):
+        with torch.no_grad():
+            layer.weight.mul_(0.9)
+        layer(torch.randn(4, 16))
+    assert isinstance(layer._derivation.chain, jitderive.StepChain)
+    chain, config = layer._integers(QFormat(8, 0.05), torch.device("cuda"))  # only the device's type is read
+    assert isinstance(chain, ElementChain) and chain.op is layer.golden() and config == chain.op.config

@@ -1,4 +1,4 @@
-"""A QAT norm's per-step derivation of its per-channel integers as one compiled loop (numba).
+"""A QAT norm's per-step derivation as compiled loops (numba, where installed).
 
 Every training step moves γ and β, so the layer derives its golden op again
 (:meth:`~qnorm.ops._normcore.ChannelRule.op`).  The structure (the config's widths,
@@ -7,18 +7,25 @@ Every training step moves γ and β, so the layer derives its golden op again
 clipped where the output saturates (``_output_bias``), the output window
 (:func:`~qnorm.ops._normcore.output_window`) and stage 4's hulls
 (:func:`~qnorm.ops._normcore.channel_hulls`).  In numpy that is ~60 calls on
-N-element vectors: ~150 µs at N = 32, and ~3× that inside a training step, where the
-forward and backward have left the caches cold.  Here :func:`channel_ints` forms the
-same integers in one loop over the channels (a :data:`~qnorm.ops._normcore.ChannelWriter`,
-handed to ``ChannelRule.op``), and the op still runs its range checks on the window
-and hulls it is given.
+N-element vectors: ~110 µs at N = 32 in a warm loop, several times that inside a
+training step, whose forward and backward leave the caches cold.
 
-A second writing of the definition, so it answers None — and the numpy part runs —
-wherever that part takes another road: a non-finite scaled γ or β, a gain that does
-not fit its multiplier, a β whose rounding is left to exact rationals (a near-tie
-against a non-power-of-two output scale, or a value past 2^62), and windows past 60
-bits (the numpy part's Python-int arrays).  ``tests/test_nn_norm_derivation.py`` holds
-it to the numpy part on drawn γ, β, formats and shifts, ties and edges included.
+* :func:`channel_ints` forms those integers in one loop over the channels (a
+  :data:`~qnorm.ops._normcore.ChannelWriter`, handed to ``ChannelRule.op``); the op
+  still runs its range checks on the window and hulls it is given.
+* :class:`StepDeriver` goes further for a training layer: from γ itself it checks
+  that the step keeps its structure (the same F_z) and forms the same integers, and
+  its :class:`StepChain` runs the op's row loop on them without assembling a
+  ``NormOp`` (the layer forms one when asked, from the same floats).
+
+A second writing of the definition, so it declines — and the numpy part runs —
+wherever that part takes another road: a non-finite value, a gain that does not fit
+its multiplier, a β whose rounding is left to exact rationals (a near-tie against a
+non-power-of-two output scale, or a value past 2^62), windows past 60 bits (the
+numpy part's Python-int arrays), and for the deriver γ asking for another F_z or a
+stage outside the lanes.  ``tests/test_nn_jitderive.py`` holds both to the numpy
+part and to ``from_float`` on drawn γ, β, formats and training steps, ties, near-ties
+and edges included.
 
 The gain rule is the op's own, as data (``NormOp.gain_form``: one shared shift of
 dyadic multipliers, or ShiftLayerNorm's signed powers of two); an op whose
@@ -48,13 +55,10 @@ from qnorm.ops._normcore import (
     OutputWindow,
     StageHulls,
 )
+from qnorm.ops.shiftnorm import SQRT2
 
 GAIN_FORMS = {"dyadic": 0, "pow2": 1}
-SQRT2 = math.sqrt(2.0)
-# What the kernel reports in its first status slot: formed, or γ asks for another F_z
-# (anything else: the numpy part decides).
-FORMED = 0
-OTHER_FRAC_BITS = 2
+FORMED = 0  # the kernel's first status slot where it formed the integers (else 1: it declined)
 SCALED_GAINS = np.zeros(1)  # the kernel's gamma_rule for gains already scaled (channel_ints)
 
 
@@ -72,7 +76,7 @@ class _StructureArgs:
     channel (row 0 lo, row 1 hi)."""
 
     ints: np.ndarray  # gain form, mult_bits, max_shift, pow2 output scale, out lo, out hi, max |z|
-    floats: np.ndarray  # the output scale, sqrt(2)
+    floats: np.ndarray  # the output scale, sqrt(2) (ShiftLayerNorm's rounding of log2)
     z: np.ndarray
 
 
@@ -129,7 +133,8 @@ def channel_ints(st: ChannelStructure, scaled: np.ndarray, beta: np.ndarray) -> 
 class StepChain:
     """One training step's integers without assembling its op: the compiled row loop with
     the per-channel integers :class:`StepDeriver` formed (the window, gains, and biases
-    with the output rounding's half folded in, all int64) and the output shift."""
+    with the output rounding's half folded in, in the element chain's lanes) and the
+    output shift."""
 
     kernel: RowKernel
     np_dtype: type
@@ -216,8 +221,8 @@ class StepDeriver:
 
 
 def _channels(values, beta, gamma_rule, ints, floats, zb, out, status):  # noqa: ANN001, C901
-    """The loop :func:`channel_ints` and :class:`StepDeriver` compile; ``status[0]`` 1 where
-    the numpy part decides, :data:`OTHER_FRAC_BITS` where γ asks for another F_z.
+    """The loop :func:`channel_ints` and :class:`StepDeriver` compile; ``status[0]`` stays 1
+    where it declines (the numpy part decides), γ asking for another F_z included.
 
     ``gamma_rule[0]`` 0: ``values`` are the scaled gains.  1: ``values`` are γ, scaled
     here as ``ChannelRule.op`` does (``real = γ · G / s_out``, F_z by
@@ -249,7 +254,6 @@ def _channels(values, beta, gamma_rule, ints, floats, zb, out, status):  # noqa:
             f, k = math.frexp(big)
             want += k - 1 if f == 0.5 else k
         if min(max(want, 0.0), gamma_rule[3]) != gamma_rule[5]:
-            status[0] = OTHER_FRAC_BITS
             return
         for c in range(n):
             real[c] = math.ldexp(real[c], -np.int64(gamma_rule[5]))

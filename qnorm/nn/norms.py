@@ -294,9 +294,10 @@ class IntNorm(QATModule):
     def _integers(self, fmt: QFormat, device: torch.device) -> tuple[Integers, NormConfig]:
         """What computes the golden op's integers of the current floats and ``fmt`` on
         ``device``'s int64 input, and the op's config (its formats and ε)."""
-        d = self._derive(fmt, lean=device.type == "cpu")
-        if d.chain is None:
-            if d.op is None:
+        cpu = device.type == "cpu"
+        d = self._derive(fmt, lean=cpu)
+        if d.chain is None or not (cpu or isinstance(d.chain, ElementChain)):
+            if d.op is None:  # a step chain runs CPU input only (the layer moved since): the op's chain
                 self.golden(fmt)
             chain = d.chain = ElementChain(d.op, like=getattr(self, "_last_chain", None))
             kernel = chain._compiled if chain.fused else None
