@@ -21,10 +21,10 @@ from qnorm import nn as qnn
 from qnorm import ops
 from qnorm.analysis import OverflowRiskError
 from qnorm.nn import jitderive
-from qnorm.nn.base import param_array
 from qnorm.nn.elementchain import ElementChain
 from qnorm.ops._normcore import ChannelRule, FloatParams, NormOp
 from qnorm.qformat import QFormat
+from test_nn_norm_derivation import LAYERS, cold_op
 
 KINDS = {
     "int_ln": (ops.IntLayerNorm, {}),
@@ -209,24 +209,6 @@ def test_a_chain_like_an_earlier_one_shares_only_a_common_structure(kind):
 
 # --------------------------------------------------------------------------- a training layer's step chains
 
-LAYERS = {
-    "int_ln": (qnn.IntLayerNorm, {}),
-    "l1": (qnn.L1LayerNorm, {}),
-    "shift2": (qnn.ShiftLayerNorm, {"mantissa_terms": 2}),
-    "shift1": (qnn.ShiftLayerNorm, {"mantissa_terms": 1}),
-    "int_rms": (qnn.IntRMSNorm, {}),
-    "partial_rms": (qnn.IntRMSNorm, {"partial": 0.5}),
-}
-
-
-def cold(layer: qnn.IntLayerNorm, options: dict) -> NormOp:
-    beta = None if layer.bias is None else param_array(layer.bias)
-    return type(layer).op_cls.from_float(
-        param_array(layer.weight), beta, layer.eps, layer.input_quant.fmt, layer.out_fmt, rounding=layer.rounding,
-        **options,
-    )  # fmt: skip
-
-
 @given(
     kind=st.sampled_from(sorted(LAYERS)),
     n=st.sampled_from([1, 5, 32, 100]),
@@ -260,7 +242,7 @@ def test_each_step_chain_gives_the_integers_of_the_op_from_floats(kind, n, in_fm
         x = torch.randn(6, n, generator=gen) * in_fmt.scale * 40
         y = layer(x)
         took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
-        want = cold(layer, options)
+        want = cold_op(layer, options)
         ints = want.forward(in_fmt.quantize(x.numpy()))
         assert torch.equal(y.detach(), torch.from_numpy(ints).to(y.dtype) * want.out_fmt.scale)
         got = layer.golden()  # formed now where the step chain did without it: the same op
@@ -280,7 +262,7 @@ def test_a_training_layer_takes_step_chains_while_its_format_holds(kind, dtype):
         x = torch.randn(8, 32, dtype=dtype)
         y = layer(x)
         took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
-        want = cold(layer, options)
+        want = cold_op(layer, options)
         ints = torch.from_numpy(want.forward(want.in_fmt.quantize(x.numpy())))
         assert y.dtype == dtype and torch.equal(y.detach(), ints.to(dtype) * want.out_fmt.scale)
     assert took == [False, True, True, True]
@@ -294,7 +276,7 @@ def test_a_step_chain_outside_its_lanes_falls_back_to_the_op():
     layer(torch.randn(3, 4))
     with torch.no_grad():
         layer.weight.fill_(1e9)
-    want = outcome(lambda: cold(layer, {}))
+    want = outcome(lambda: cold_op(layer, {}))
     got = outcome(lambda: layer(torch.randn(3, 4)))
     if isinstance(want, NormOp):
         assert isinstance(got, torch.Tensor)

@@ -1068,35 +1068,17 @@ class NormOp(IntOp):
         eps: float = 1e-5,
         in_fmt: QFormat = DEFAULT_IN,
         out_fmt: QFormat = DEFAULT_OUT,
-        *,
-        frac_bits: int | None = None,
-        mant_bits: int | None = None,
-        mult_bits: int | None = None,
-        rounding: Round | str = DEFAULT_ROUND,
-        lanes: int | None = None,
-        **options: Any,
+        **rule_args: Any,
     ) -> NormOp:
         """Quantize float γ (N,), β (N,) or None, and ε >= 0 into an op.
 
         ε is in the real units of the op's statistic: σ² for LayerNorm and the shift
-        norm, x² for RMSNorm, σ for L1.  ``options`` are the op's own fields with
-        their defaults in ``op_defaults`` (``inv_bits``; ``partial`` for RMSNorm;
-        ``mantissa_terms`` for the shift norm).  ``lanes``: the per-element datapath
-        (:data:`LANES`); by default 32 for inputs and outputs of up to 8 bits (the
-        datapath every target shares) and 64 above.  A config whose intermediates
-        do not fit it is refused (:class:`OverflowRiskError`), never widened silently.
-
-        Outputs wider than 8 bits (±2^15 LSB for int16) need relative precision
-        near 2^-20 in the inverse and the gains: their defaults are the op's
-        ``wide_defaults`` (a wider mantissa / inverse) and 24-bit gain multipliers.
+        norm, x² for RMSNorm, σ for L1.  ``rule_args``: the keywords of
+        :meth:`channel_rule` (``frac_bits``, ``mant_bits``, ``mult_bits``,
+        ``rounding``, ``lanes`` and the op's own options).
         """
-        _check_options(cls, options)
         params = FloatParams.checked(gamma, beta, eps)
-        rule = cls.channel_rule(
-            params.gamma.size, params.eps, in_fmt, out_fmt, frac_bits=frac_bits, mant_bits=mant_bits,
-            mult_bits=mult_bits, rounding=rounding, lanes=lanes, **options,
-        )  # fmt: skip
-        return rule.op(params)
+        return cls.channel_rule(params.gamma.size, params.eps, in_fmt, out_fmt, **rule_args).op(params)
 
     @classmethod
     def channel_rule(
@@ -1117,6 +1099,16 @@ class NormOp(IntOp):
         ``from_float(γ, β, ε, …)`` is ``channel_rule(len(γ), ε, …).op(params)`` with
         ``params = FloatParams.checked(γ, β, ε)``.  A QAT layer keeps its rule while its
         formats and ε are unchanged and derives each step's op from it.
+
+        ``options`` are the op's own fields with their defaults in ``op_defaults``
+        (``inv_bits``; ``partial`` for RMSNorm; ``mantissa_terms`` for the shift norm).
+        ``lanes``: the per-element datapath (:data:`LANES`); by default 32 for inputs
+        and outputs of up to 8 bits (the datapath every target shares) and 64 above.
+        A config whose intermediates do not fit it is refused
+        (:class:`OverflowRiskError`), never widened silently.  Outputs wider than 8 bits
+        (±2^15 LSB for int16) need relative precision near 2^-20 in the inverse and the
+        gains: their defaults are the op's ``wide_defaults`` (a wider mantissa /
+        inverse) and 24-bit gain multipliers.
 
         γ_c · G / s_out (G: the op's constant) becomes ``m_c / 2^(s − F_z)``; ε
         becomes ``ε_int = round(ε_S 2^(p g))`` (exact rational, rounded half up) with
