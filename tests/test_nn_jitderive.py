@@ -269,19 +269,21 @@ def test_a_training_layer_takes_step_chains_while_its_format_holds(kind, dtype):
     assert layer._derivation.op is None and layer.golden() is layer._derivation.op
 
 
-def test_a_step_chain_outside_its_lanes_falls_back_to_the_op():
-    """The deriver's check is the op's: a γ whose output stage leaves the lanes is not
-    taken by a step chain, and the op refuses it with its own message."""
+def test_a_step_the_deriver_declines_is_refused_by_the_op_with_its_message():
+    """After a step chain, a γ the op refuses (its z no longer fits the lanes at the F_z it
+    asks for): the deriver declines, and the layer's forward raises what ``from_float``
+    raises for the same floats."""
     layer = qnn.IntLayerNorm(4, in_fmt=QFormat(8, 1.0), out_fmt=QFormat(8, 2.0**-8)).train()
-    layer(torch.randn(3, 4))
+    for _ in range(2):
+        with torch.no_grad():
+            layer.weight.mul_(0.9)
+        layer(torch.randn(3, 4))
+    assert isinstance(layer._derivation.chain, jitderive.StepChain)
     with torch.no_grad():
         layer.weight.fill_(1e9)
     want = outcome(lambda: cold_op(layer, {}))
-    got = outcome(lambda: layer(torch.randn(3, 4)))
-    if isinstance(want, NormOp):
-        assert isinstance(got, torch.Tensor)
-    else:
-        assert got == want
+    assert want[0] is OverflowRiskError and "do not fit a 32-bit datapath" in want[1]
+    assert outcome(lambda: layer(torch.randn(3, 4))) == want
 
 
 def test_a_step_chains_floats_on_another_device_take_the_ops_chain():
