@@ -119,7 +119,7 @@ class ElementChain:
         if not self.fused:
             return
         half_s = (1 << cfg.shift) >> 1
-        np_dtype = self._np_dtype = plan.np_dtype
+        np_dtype = plan.np_dtype
 
         def channel(values: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(values, dtype=np.int64).astype(np_dtype, copy=False)
@@ -144,7 +144,7 @@ class ElementChain:
             with fp.proven_ranges():
                 return self.op._forward(ints, None)
         if self._compiled is not None:
-            return torch.from_numpy(self._run(ints, self._np_dtype, None))
+            return torch.from_numpy(self._run(ints, self.np_dtype, None))
         x = ints.contiguous().numpy()
         with fp.proven_ranges():
             if not self.fused:
@@ -171,7 +171,7 @@ class ElementChain:
         In place on one array, in numpy: on the few thousand values of a QAT batch each
         numpy step costs a few microseconds where a torch call costs tens.  Every value
         fits the lanes (proven), so the lanes' wrap-around never happens."""
-        dt = self._np_dtype
+        dt = self.np_dtype
         offset = c0 - ((np.int64(1) << k) >> 1)
         z = x.astype(dt)
         z *= a0.astype(dt)

@@ -65,9 +65,9 @@ from __future__ import annotations
 import abc
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
-from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -877,8 +877,8 @@ def _check_options(op_cls: type[NormOp], options: dict[str, Any]) -> None:
 
 @dataclass(frozen=True, eq=False)
 class ChannelStructure:
-    """Everything of one derivation but γ and β at one F_z: the config (its gains,
-    shift and biases placeholders), its row analysis, max |z| (the bias clip's
+    """Everything of one derivation but γ and β at one F_z: the config (gains, shift and
+    biases as placeholders), its row analysis, max |z| (the bias clip's
     reach) and what the gains are quantized to (``mult_bits``, ``max_shift``)."""
 
     op_cls: type[NormOp]
@@ -954,7 +954,7 @@ class ChannelRule:
         if writer is not None:
             try:
                 st = self.structure(frac_bits)
-            except (OverflowRiskError, ValueError):
+            except ValueError:  # OverflowRiskError among them
                 st = None  # refused: raised below, in the definition's order
             ints = None if st is None else writer(st, scaled, params.beta)
         if ints is None:
