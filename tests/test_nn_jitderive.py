@@ -222,7 +222,8 @@ def test_each_step_chain_gives_the_integers_of_the_op_from_floats(kind, n, in_fm
     """A layer with a fixed input format keeps its rule, so after the first step its
     forwards take step chains; every step's integers are those of ``from_float`` on
     that step's floats, whether the step chain formed them or the layer fell back (γ
-    asking for another F_z, β no step chain takes)."""
+    asking for another F_z, β no step chain takes), and a step ``from_float`` refuses
+    (γ grown past what the lanes hold) is refused by the layer with the same error."""
     cls, options = LAYERS[kind]
     layer = cls(n, 1e-5, in_fmt=in_fmt, out_fmt=out_fmt, **options).train()
     gen = torch.Generator().manual_seed(seed)
@@ -240,14 +241,17 @@ def test_each_step_chain_gives_the_integers_of_the_op_from_floats(kind, n, in_fm
             if layer.bias is not None:
                 layer.bias.add_((1e6 if move == "big_beta" else 0.05) * torch.randn(n, generator=gen))
         x = torch.randn(6, n, generator=gen) * in_fmt.scale * 40
-        y = layer(x)
+        y = outcome(lambda x=x: layer(x))
+        want = outcome(lambda: cold_op(layer, options))
+        if not isinstance(want, NormOp):  # γ grown past what the op takes: refused alike
+            assert isinstance(y, tuple) and y == want
+            continue
         took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
-        want = cold_op(layer, options)
         ints = want.forward(in_fmt.quantize(x.numpy()))
         assert torch.equal(y.detach(), torch.from_numpy(ints).to(y.dtype) * want.out_fmt.scale)
         got = layer.golden()  # formed now where the step chain did without it: the same op
         assert got.config == want.config
-    assert not took[0]  # the first step forms the op (and the deriver)
+    assert not took or not took[0]  # the first step forms the op (and the deriver)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -259,7 +263,7 @@ def test_a_training_layer_takes_step_chains_while_its_format_holds(kind, dtype):
     for step in range(4):
         with torch.no_grad():
             layer.weight.add_(0.01 * (step + 1))
-        x = torch.randn(8, 32, dtype=dtype)
+        x = torch.randn(8, 32, dtype=dtype, generator=torch.Generator().manual_seed(step))
         y = layer(x)
         took.append(isinstance(layer._derivation.chain, jitderive.StepChain))
         want = cold_op(layer, options)
