@@ -25,15 +25,8 @@ from qnorm.nn.elementchain import ElementChain
 from qnorm.ops._normcore import ChannelRule, FloatParams, NormOp
 from qnorm.qformat import QFormat
 from test_nn_norm_derivation import LAYERS, cold_op
+from test_nn_norm_fastpath import OPS as KINDS
 
-KINDS = {
-    "int_ln": (ops.IntLayerNorm, {}),
-    "l1": (ops.L1LayerNorm, {}),
-    "shift2": (ops.ShiftLayerNorm, {"mantissa_terms": 2}),
-    "shift1": (ops.ShiftLayerNorm, {"mantissa_terms": 1}),
-    "rms": (ops.IntRMSNorm, {}),
-    "prms": (ops.IntRMSNorm, {"partial": 0.4}),
-}
 OUT_FORMATS = [QFormat.power_of_two(8, -5), QFormat(8, 0.0371), QFormat(4, 0.25), QFormat(16, 2.0**-12),
                QFormat(16, 1.3e-4), QFormat(8, 1.0, signed=False)]  # fmt: skip
 
