@@ -22,6 +22,7 @@ from qnorm.nn._qat import (
     quantized_input,
     to_output,
 )
+from qnorm.nn.surrogate import clip_surrogate
 from qnorm.qformat import QFormat
 
 # --------------------------------------------------------------------------- float -> int boundary
@@ -222,6 +223,38 @@ def test_exact_forward_returns_ints_and_surrogate_gradient():
     assert torch.equal(x.grad, 2 * deq * 4.0 * torch.tensor([1.0, 1.0, 0.0]))
     assert torch.equal(w.grad, (2 * deq * deq * 2.0).sum())
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@given(
+    bound=st.floats(1e-6, 1e4, allow_subnormal=False),  # within float16's range at every scale
+    scale=st.floats(0.25, 4.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_surrogate_clip_has_the_gradient_of_clamp(dtype, bound, scale, seed):
+    """clip_surrogate's gradient is clamp's, element for element: values on each bound (as
+    the dtype rounds it), one step of the dtype inside and outside it, infinities, zeros
+    and random values around the range."""
+    lo, hi = -bound, bound * scale
+    rounded = torch.tensor([lo, hi], dtype=dtype)
+    steps = [torch.nextafter(rounded, torch.tensor([v, -v], dtype=dtype)) for v in (math.inf, -math.inf)]
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.randn(64, generator=gen, dtype=torch.float64) * max(-lo, hi) * 1.5
+    y = torch.cat([rounded, *steps, torch.tensor([0.0, -0.0, math.inf, -math.inf], dtype=dtype), spread.to(dtype)])
+    grad = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
+    a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+    a.clamp(lo, hi).backward(grad)
+    clip_surrogate(b, lo, hi).backward(grad)
+    assert torch.equal(a.grad, b.grad)
+    assert int((a.grad != 0).sum()) >= 4  # the bounds themselves (both rounded ones, the steps inside) pass
+
+
+def test_the_surrogate_clip_at_the_largest_float16_keeps_clamps_gradient():
+    y = torch.tensor([65504.0, 65472.0, -65504.0, math.inf], dtype=torch.float16)
+    a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+    a.clamp(-65504.0, 65504.0).sum().backward()
+    clip_surrogate(b, -65504.0, 65504.0).sum().backward()
+    assert torch.equal(a.grad, b.grad) and a.grad.tolist() == [1.0, 1.0, 1.0, 0.0]
 
 def test_quant_tensor_output_fields():
     y = torch.tensor([0.25, 0.5, 3.75])

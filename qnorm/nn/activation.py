@@ -30,7 +30,7 @@ from qnorm import fixedpoint as fp
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.base import QATModule, require_qformat
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput
-from qnorm.nn.surrogate import Output, Surrogate
+from qnorm.nn.surrogate import Output, Surrogate, clip_surrogate
 from qnorm.ops import activation as ops
 from qnorm.qformat import QFormat
 
@@ -90,7 +90,7 @@ class IntActivation(QATModule):
 
     def _surrogate(self) -> Surrogate:
         lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
-        return lambda xd: self._float_op(xd).clamp(lo, hi)
+        return lambda xd: clip_surrogate(self._float_op(xd), lo, hi)
 
     @abc.abstractmethod
     def _float_op(self, x: torch.Tensor) -> torch.Tensor:

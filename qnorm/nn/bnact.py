@@ -28,7 +28,7 @@ from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn.base import IntInference, require_qformat, to_op_layout
 from qnorm.nn.batchnorm import BatchStats, BNQATModule, rational_bn_constants
 from qnorm.nn.quantizer import InputQuantizer
-from qnorm.nn.surrogate import Output
+from qnorm.nn.surrogate import Output, clip_surrogate
 from qnorm.ops.base import IntOp
 from qnorm.ops.bnfold import FloatBN
 from qnorm.ops.multithreshold import BNActConfig, BNQuant, MultiThreshold
@@ -98,7 +98,7 @@ class BNQuantAct(BNQATModule):
         lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
 
         def surrogate(xd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return self.surrogate_bn(xd, w, b, running, sync).clamp(lo, hi)
+            return clip_surrogate(self.surrogate_bn(xd, w, b, running, sync), lo, hi)
 
         return self.finish(q, self.run_golden(op, q.ints), self.out_fmt, surrogate, (self.weight, self.bias))
 

@@ -37,7 +37,9 @@ pass in the backward).  Per layer the surrogate is
   gradient ignores that 1/σ and γ are rounded to (one- or two-term) powers of two,
   and γ gets the gradient of the continuous γ it is rounded from;
 * L1LayerNorm: the true L1 norm ``γ (x − μ) / (sqrt(π/2) MAD + ε) + β``,
-  ``MAD = mean |x − μ|`` (the op's float reference, written in torch);
+  ``MAD = mean |x − μ|`` (the op's float reference, written in torch; on the CPU its
+  gradient comes from compiled loops, :mod:`qnorm.nn.jitsurrogate`: the same VJP in
+  float64, one autograd node where the torch graph has a dozen);
 * IntRMSNorm: ``F.rms_norm``; with ``partial = p < 1`` the partial RMS norm whose
   mean square comes from the first ``k = ceil(p N)`` elements of each row.
 
@@ -67,14 +69,14 @@ from torch import nn
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn import jitderive
+from qnorm.nn.jitsurrogate import SQRT_HALF_PI, l1_surrogate_in_graph
 from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
-from qnorm.nn.surrogate import Output, Surrogate, surrogate_in_graph, to_output
+from qnorm.nn.surrogate import Output, Surrogate, clip_surrogate, surrogate_in_graph, to_output
 from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, ChannelWriter, FloatParams, NormConfig, NormOp
 from qnorm.qformat import QFormat
 
-SQRT_HALF_PI = math.sqrt(math.pi / 2)  # the L1 norm's c: c · MAD = σ for Gaussian rows
 
 
 def _channels(normalized_shape: int | Sequence[int]) -> int:
@@ -277,10 +279,13 @@ class IntNorm(QATModule):
         self._check_dtype(x)
         q = self.quantize_input(x)
         exact, config = self._golden_values(q)
+        return to_output(self._with_gradient(exact, config, q), self.out_fmt, self.return_quant_tensor, self.training)
+
+    def _with_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor:
+        """``exact`` with the clipped surrogate's gradient at the dequantized input."""
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        # fresh: the surrogate ends in a clamp (_surrogate), whose backward reads only its input
-        y = surrogate_in_graph(exact, self._surrogate(config), q, params, fresh=True)
-        return to_output(y, self.out_fmt, self.return_quant_tensor, self.training)
+        # fresh: the surrogate ends in clip_surrogate (_surrogate), whose backward reads only its input
+        return surrogate_in_graph(exact, self._surrogate(config), q, params, fresh=True)
 
     # One opaque call under torch.compile for the derivation and the integers (numba inside);
     # the compiled loops it reaches need no guard of their own on this road.
@@ -318,7 +323,7 @@ class IntNorm(QATModule):
         def surrogate(xd: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
             w = params[0] if has_w else None
             b = params[has_w] if has_b else None
-            return self._float_op(xd, w, b, eps).clamp(lo, hi)
+            return clip_surrogate(self._float_op(xd, w, b, eps), lo, hi)
 
         return surrogate
 
@@ -389,6 +394,18 @@ class L1LayerNorm(IntNorm):
     """
 
     op_cls = ops.L1LayerNorm
+
+    def _with_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor:
+        """The surrogate's gradient from compiled loops where they apply
+        (:func:`~qnorm.nn.jitsurrogate.l1_surrogate_in_graph`: the torch graph's gradient up
+        to float rounding, a dozen autograd nodes fewer), else from the torch graph."""
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params)):
+            lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
+            y = l1_surrogate_in_graph(exact, q, self.weight, self.bias, surrogate_eps(config, self.eps), lo, hi)
+            if y is not None:
+                return y
+        return super()._with_gradient(exact, config, q)
 
     def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         dev = x - x.mean(dim=-1, keepdim=True)

@@ -7,16 +7,47 @@ wraps the result as an ``IntQuantTensor`` when a layer returns quant tensors.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from qnorm.nn.quantizer import QuantizedInput, exact_scaled, int_quant_tensor_type
 from qnorm.qformat import QFormat
 
 Output = torch.Tensor | Any  # Any: a brevitas IntQuantTensor (brevitas is optional)
 Surrogate = Callable[..., torch.Tensor]
+
+
+def clip_surrogate(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """The surrogate's output clip: the gradient of ``y.clamp(lo, hi)``, which passes where
+    ``lo <= y <= hi`` (the bounds in ``y``'s dtype) and is zero where the output saturates.
+
+    Formed as ``hardtanh`` with bounds one step of ``y``'s dtype outside ``lo`` and ``hi``:
+    its gradient passes where ``lo' < y < hi'``, the same elements, and its backward is one
+    kernel where clamp's is four (two comparisons, an and, a select: ~60 µs of a QAT
+    norm's forward and backward on 512 rows of 32).  Its values are clamped to that wider
+    range, so a caller keeps only its gradient (every surrogate here has its value
+    replaced by the exact output); its backward reads only its input.  A bound whose next
+    step is infinite in ``y``'s dtype (a float16 range at its largest value) keeps clamp.
+    """
+    below, above = _outside(float(lo), float(hi), y.dtype)
+    if not (math.isfinite(below) and math.isfinite(above)):
+        return y.clamp(lo, hi)
+    return F.hardtanh(y, below, above)
+
+
+@functools.lru_cache(maxsize=64)
+def _outside(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, float]:
+    """The values of ``dtype`` next below ``lo`` and next above ``hi`` (each first rounded to
+    ``dtype``, as a clamp bound is), exactly representable in it."""
+    bounds = torch.tensor([lo, hi], dtype=dtype)
+    outward = torch.tensor([-math.inf, math.inf], dtype=dtype)
+    below, above = torch.nextafter(bounds, outward).tolist()
+    return below, above
 
 
 class _ExactSurrogate(torch.autograd.Function):
@@ -93,8 +124,8 @@ def exact_forward_in_graph(
     point), without a second autograd pass inside the backward; the surrogate must
     not change state, as there.  Without a gradient to compute (no_grad, or nothing
     requiring one) only the exact value is formed.  ``fresh``: the surrogate's output is
-    a tensor of its own whose backward does not read it (it ends in a clamp, which
-    saves only its input), so the exact values are written into it and the clone
+    a tensor of its own whose backward does not read it (it ends in
+    :func:`clip_surrogate`, which saves only its input), so the exact values are written into it and the clone
     (a copy and an autograd node per call) is skipped.
     """
     return surrogate_in_graph(exact_scaled(ints, q.value.dtype, float(out_scale)), surrogate, q, params, fresh=fresh)
