@@ -214,8 +214,8 @@ LAYERS = {
 def test_in_graph_surrogate_gradients_equal_the_backward_pass_surrogate(kind, calibrated):
     """The layer's gradients (surrogate in the forward's graph) are bit for bit those of
     :func:`exact_forward` (the surrogate re-run inside the backward), input clipping
-    included; L1LayerNorm's compiled gradient (:mod:`qnorm.nn.jitsurrogate`, sums in
-    float64) to float32 rounding."""
+    included; the L1 and RMS norms' compiled gradients (:mod:`qnorm.nn.jitsurrogate`, sums
+    in float64) to float32 rounding."""
     cls, options = LAYERS[kind]
     layer = cls(32, in_fmt=None if calibrated else QFormat(8, 0.02), **options)
     with torch.no_grad():
@@ -235,7 +235,7 @@ def test_in_graph_surrogate_gradients_equal_the_backward_pass_surrogate(kind, ca
     assert torch.equal(y, want_y)
     if not calibrated:  # a calibrated range covers the batch; the fixed one clips some inputs
         assert not bool(q.pass_mask.all())
-    compiled = kind == "l1" and jitchain.available()
+    compiled = kind in ("l1", "prms") and jitchain.available()
     for g, w in zip(got, want, strict=True):
         if compiled:
             assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())

@@ -1,26 +1,33 @@
-"""The L1 LayerNorm's surrogate gradient as compiled loops (numba, where installed).
+"""The L1 and RMS norms' surrogate gradients as compiled loops (numba, where installed).
 
 :class:`~qnorm.nn.norms.L1LayerNorm` trains with the gradient of the true L1 norm
-``y = γ (x − μ) / (c·MAD + ε) + β`` (``MAD = mean |x − μ|``, ``c = sqrt(π/2)``), clipped
-where ``y`` leaves the output range.  Written in torch that is a dozen operations
-forward and as many autograd nodes backward: on a QAT batch (512 rows of 32) ~200 µs
-more than ``F.layer_norm``'s surrogate, per layer and step.  Here one compiled loop
-forms what the backward needs (``u = (x − μ) / D``, ``1 / D`` per row, the clip mask)
-and one forms the vector-Jacobian product:
+``y = γ (x − μ) / (c·MAD + ε) + β`` (``MAD = mean |x − μ|``, ``c = sqrt(π/2)``), and
+:class:`~qnorm.nn.norms.IntRMSNorm` with that of ``y = γ x / sqrt(ms + ε)`` (``ms`` the
+mean square of the row's first k elements, k = N unless partial), each clipped where
+``y`` leaves the output range.  Written in torch these are a dozen and half a dozen
+operations forward (torch's CPU ``rms_norm`` is composite) and as many autograd nodes
+backward: on a QAT batch (512 rows of 32) ~200 µs (L1) more than ``F.layer_norm``'s
+surrogate, per layer and step.  Here one compiled loop forms what the backward needs
+(the normalized row ``u``, one factor per row, the clip mask) and one forms the
+vector-Jacobian product (``g' = g · [lo <= y <= hi]``, ``mask`` the input quantizer's
+straight-through mask):
 
-    g' = g · [lo <= y <= hi],   ∂β = Σ_rows g',   ∂γ = Σ_rows g'·u,
-    ∂x = (t − mean(t)) · mask,  t = (g'·γ − (c/N)·Σ(g'·γ·u)·sign(u)) / D
+    L1:   u = (x − μ) / D,  D = c·MAD + ε,
+          ∂β = Σ_rows g',  ∂γ = Σ_rows g'·u,  ∂x = (t − mean(t)) · mask,
+          t = (g'·γ − (c/N)·Σ(g'·γ·u)·sign(u)) / D        (sign(0) = 0, as torch's abs)
+    RMS:  u = x·r,  r = (ms + ε)^(−1/2),
+          ∂γ = Σ_rows g'·u,  ∂x_j = r·(g'_j·γ_j − [j < k]·u_j·Σ(g'·γ·u)/k) · mask
 
-(``sign(0) = 0``, as torch's ``abs`` differentiates; ``mask`` the input quantizer's
-straight-through mask).  Sums are in float64, so the result is the torch graph's
-gradient up to float rounding, not bit for bit (``tests/test_nn_jitsurrogate.py``
-holds the two together); ``y`` is evaluated in float64 for the clip.
+Sums are in float64, so the results are the torch graphs' gradients up to float
+rounding, not bit for bit (``tests/test_nn_jitsurrogate.py`` holds them to the float64
+VJP by autograd); ``y`` is evaluated in float64 for the clip.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,60 +39,105 @@ from qnorm.nn.quantizer import NUMPY_FLOATS, QuantizedInput
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # c: c · MAD = σ for Gaussian rows
 
 
-# Host code that calls numba: one opaque call under torch.compile (Dynamo cannot trace the loops).
-@torch.compiler.disable
-def l1_surrogate_in_graph(
-    exact: torch.Tensor,
-    q: QuantizedInput,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    lo: float,
-    hi: float,
-) -> torch.Tensor | None:
+class _Form(Protocol):
+    """One surrogate's two loops: what the backward needs, and the VJP."""
+
+    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
+                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """u (rows × N, float64), one float64 factor per row, the clip mask (uint8)."""
+
+    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+                 mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """∂x, ∂γ, ∂β in ``g``'s dtype."""
+
+
+@dataclass(frozen=True)
+class _L1Form:
+    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
+                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        beta = np.zeros(rows.shape[1], dtype=rows.dtype) if beta is None else beta
+        return _kernel(_l1_forward)(rows, gamma, beta, eps, lo, hi)
+
+    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+                 mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        return _kernel(_l1_backward)(g, u, factor, keep, gamma, mask, masked)
+
+
+@dataclass(frozen=True)
+class _RMSForm:
+    prefix: int  # k: the mean square's elements (the first k of each row)
+
+    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
+                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        return _kernel(_rms_forward)(rows, gamma, eps, lo, hi, self.prefix)
+
+    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+                 mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        return _kernel(_rms_backward)(g, u, factor, keep, gamma, mask, masked, self.prefix)
+
+
+def l1_surrogate_in_graph(exact: torch.Tensor, q: QuantizedInput, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None, eps: float, lo: float, hi: float) -> torch.Tensor | None:  # fmt: skip
     """``exact`` with the clipped L1 surrogate's gradient at ``q.dequant`` (the layer's
     :func:`~qnorm.nn.surrogate.surrogate_in_graph` for L1LayerNorm), or None where the
-    loops do not apply: numba missing, a tensor off the CPU or of another float dtype
-    than float32/float64, parameters in another dtype than the input."""
+    loops do not apply (:func:`_compiled_in_graph`)."""
+    return _compiled_in_graph(_L1Form(), exact, q, weight, bias, eps, lo, hi)
+
+
+def rms_surrogate_in_graph(exact: torch.Tensor, q: QuantizedInput, weight: torch.Tensor | None, prefix: int,
+                           eps: float, lo: float, hi: float) -> torch.Tensor | None:  # fmt: skip
+    """``exact`` with the clipped (partial) RMS surrogate's gradient at ``q.dequant``, the
+    mean square over each row's first ``prefix`` elements, or None where the loops do not
+    apply (:func:`_compiled_in_graph`)."""
+    return _compiled_in_graph(_RMSForm(prefix), exact, q, weight, None, eps, lo, hi)
+
+
+# Host code that calls numba: one opaque call under torch.compile (Dynamo cannot trace the loops).
+@torch.compiler.disable
+def _compiled_in_graph(form: _Form, exact: torch.Tensor, q: QuantizedInput, weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, eps: float, lo: float, hi: float) -> torch.Tensor | None:  # fmt: skip
+    """``form``'s gradient on ``exact``, or None where the loops do not apply: numba
+    missing, a tensor off the CPU or of another float dtype than float32/float64,
+    parameters in another dtype than the input."""
     value = q.value
     if not available() or value.device.type != "cpu" or value.dtype not in NUMPY_FLOATS:
         return None
     params = [p for p in (weight, bias) if p is not None]
     if any(p.device.type != "cpu" or p.dtype != value.dtype for p in params):
         return None
-    n = value.shape[-1]
-    w = weight if weight is not None else torch.ones(n, dtype=value.dtype)
-    b = bias if bias is not None else torch.zeros(n, dtype=value.dtype)
-    return _L1Surrogate.apply(exact, q.dequant, q.pass_mask, float(eps), float(lo), float(hi), value, w, b)
+    w = weight if weight is not None else torch.ones(value.shape[-1], dtype=value.dtype)
+    return _CompiledSurrogate.apply(form, exact, q.dequant, q.pass_mask, float(eps), float(lo), float(hi), value, w,
+                                    bias)  # fmt: skip
 
 
-class _L1Surrogate(torch.autograd.Function):
-    """Forward: ``exact`` as it is.  Backward: the clipped L1 norm's VJP (module docstring)."""
+class _CompiledSurrogate(torch.autograd.Function):
+    """Forward: ``exact`` as it is.  Backward: the clipped surrogate's VJP (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, exact: torch.Tensor, dequant: torch.Tensor, mask: torch.Tensor | None, eps: float, lo: float,
-                hi: float, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(ctx: Any, form: _Form, exact: torch.Tensor, dequant: torch.Tensor, mask: torch.Tensor | None,
+                eps: float, lo: float, hi: float, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         rows = dequant.detach().contiguous().numpy().reshape(-1, dequant.shape[-1])
         gamma = weight.detach().numpy().copy()  # γ as the forward saw it (the torch graph saves it too)
-        u, inv_d, keep = _kernel(_l1_forward)(rows, gamma, bias.detach().numpy(), eps, lo, hi)
+        beta = None if bias is None else bias.detach().numpy()
+        u, factor, keep = form.forward(rows, gamma, beta, eps, lo, hi)
         # no mask (IntQuantTensor input): a 1×1 stand-in the backward does not read
         stand_in = np.ones((1, 1), dtype=rows.dtype)
-        ctx.saved = (u, inv_d, keep, gamma, stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))
-        ctx.masked = mask is not None
-        ctx.shape = x.shape
+        ctx.saved = (u, factor, keep, gamma, stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))
+        ctx.form, ctx.masked, ctx.shape = form, mask is not None, x.shape
         return exact
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        u, inv_d, keep, gamma, mask = ctx.saved
-        gx, gw, gb = _kernel(_l1_backward)(grad.contiguous().numpy().reshape(u.shape), u, inv_d, keep, gamma, mask,
-                                           ctx.masked)  # fmt: skip
-        needs = ctx.needs_input_grad
-        dx = torch.from_numpy(gx).view(ctx.shape) if needs[6] else None
-        dw = torch.from_numpy(gw) if needs[7] else None
-        db = torch.from_numpy(gb) if needs[8] else None
-        return None, None, None, None, None, None, dx, dw, db
+        u, factor, keep, gamma, mask = ctx.saved
+        gx, gw, gb = ctx.form.backward(grad.contiguous().numpy().reshape(u.shape), u, factor, keep, gamma, mask,
+                                       ctx.masked)  # fmt: skip
+        needs = ctx.needs_input_grad  # form, exact, dequant, mask, eps, lo, hi, x, weight, bias
+        dx = torch.from_numpy(gx).view(ctx.shape) if needs[7] else None
+        dw = torch.from_numpy(gw) if needs[8] else None
+        db = torch.from_numpy(gb) if needs[9] else None
+        return None, None, None, None, None, None, None, dx, dw, db
 
 
 def _l1_forward(x, gamma, beta, eps, lo, hi):  # noqa: ANN001
@@ -141,3 +193,44 @@ def _l1_backward(g, u, inv_d, keep, gamma, mask, masked):  # noqa: ANN001
         for j in range(n):
             gx[i, j] = (t[j] - mean) * (mask[i, j] if masked else 1.0)
     return gx, gw.astype(g.dtype), gb.astype(g.dtype)
+
+
+def _rms_forward(x, gamma, eps, lo, hi, prefix):  # noqa: ANN001
+    """Per row: r = (ms + ε)^(−1/2) over the first ``prefix`` elements, u = x·r (float64),
+    and whether y = γu lies in [lo, hi]; returns u, r per row and that mask."""
+    rows, n = x.shape
+    u = np.empty((rows, n), dtype=np.float64)
+    r = np.empty(rows, dtype=np.float64)
+    keep = np.empty((rows, n), dtype=np.uint8)
+    for i in range(rows):
+        squares = 0.0
+        for j in range(prefix):
+            v = np.float64(x[i, j])
+            squares += v * v
+        r[i] = 1.0 / math.sqrt(squares / prefix + eps)
+        for j in range(n):
+            uu = x[i, j] * r[i]
+            u[i, j] = uu
+            y = np.float64(gamma[j]) * uu
+            keep[i, j] = 1 if (y >= lo and y <= hi) else 0
+    return u, r, keep
+
+
+def _rms_backward(g, u, r, keep, gamma, mask, masked, prefix):  # noqa: ANN001
+    """The RMS VJP of the module docstring, row by row, in float64; returns ∂x, ∂γ (summed
+    over the rows) and a zero ∂β (RMSNorm has none) in the gradient's dtype."""
+    rows, n = g.shape
+    gw = np.zeros(n, dtype=np.float64)
+    gx = np.empty_like(g)
+    for i in range(rows):
+        dot = 0.0
+        for j in range(n):
+            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
+            gw[j] += gy * u[i, j]
+            dot += gy * gamma[j] * u[i, j]
+        k = dot / prefix
+        for j in range(n):
+            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
+            t = gy * gamma[j] - (k * u[i, j] if j < prefix else 0.0)
+            gx[i, j] = r[i] * t * (mask[i, j] if masked else 1.0)
+    return gx, gw.astype(g.dtype), np.zeros(n, dtype=g.dtype)

@@ -69,7 +69,7 @@ from torch import nn
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn import jitderive
-from qnorm.nn.jitsurrogate import SQRT_HALF_PI, l1_surrogate_in_graph
+from qnorm.nn.jitsurrogate import SQRT_HALF_PI, l1_surrogate_in_graph, rms_surrogate_in_graph
 from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
@@ -282,10 +282,24 @@ class IntNorm(QATModule):
         return to_output(self._with_gradient(exact, config, q), self.out_fmt, self.return_quant_tensor, self.training)
 
     def _with_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor:
-        """``exact`` with the clipped surrogate's gradient at the dequantized input."""
+        """``exact`` with the clipped surrogate's gradient at the dequantized input: from the
+        layer's compiled loops where it has them and they apply, else the torch graph."""
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
+        if torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params)):
+            y = self._compiled_gradient(exact, config, q)
+            if y is not None:
+                return y
         # fresh: the surrogate ends in clip_surrogate (_surrogate), whose backward reads only its input
         return surrogate_in_graph(exact, self._surrogate(config), q, params, fresh=True)
+
+    def _compiled_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor | None:
+        """``exact`` with the surrogate's gradient from compiled loops
+        (:mod:`qnorm.nn.jitsurrogate`), or None: the torch graph serves."""
+        return None
+
+    def _output_range(self) -> tuple[float, float]:
+        """The output format's range in real units: where the surrogate is clipped."""
+        return self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
 
     # One opaque call under torch.compile for the derivation and the integers (numba inside);
     # the compiled loops it reaches need no guard of their own on this road.
@@ -316,7 +330,7 @@ class IntNorm(QATModule):
         return self._float_op(x, self.weight, self.bias, self.eps)
 
     def _surrogate(self, config: NormConfig) -> Surrogate:
-        lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
+        lo, hi = self._output_range()
         has_w, has_b = self.weight is not None, self.bias is not None
         eps = surrogate_eps(config, self.eps)
 
@@ -395,17 +409,11 @@ class L1LayerNorm(IntNorm):
 
     op_cls = ops.L1LayerNorm
 
-    def _with_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor:
-        """The surrogate's gradient from compiled loops where they apply
-        (:func:`~qnorm.nn.jitsurrogate.l1_surrogate_in_graph`: the torch graph's gradient up
-        to float rounding, a dozen autograd nodes fewer), else from the torch graph."""
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        if torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params)):
-            lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
-            y = l1_surrogate_in_graph(exact, q, self.weight, self.bias, surrogate_eps(config, self.eps), lo, hi)
-            if y is not None:
-                return y
-        return super()._with_gradient(exact, config, q)
+    def _compiled_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor | None:
+        """The true L1 norm's VJP in compiled loops (the torch graph's gradient up to float
+        rounding, one autograd node where the graph has a dozen)."""
+        eps = surrogate_eps(config, self.eps)
+        return l1_surrogate_in_graph(exact, q, self.weight, self.bias, eps, *self._output_range())
 
     def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         dev = x - x.mean(dim=-1, keepdim=True)
@@ -477,6 +485,12 @@ class IntRMSNorm(IntNorm):
 
     def _op_options(self) -> dict[str, Any]:
         return {"partial": self.partial}
+
+    def _compiled_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor | None:
+        """The (partial) RMS norm's VJP in compiled loops (torch's CPU ``rms_norm`` is half a
+        dozen operations and autograd nodes; the same gradient up to float rounding)."""
+        eps = surrogate_eps(config, self.eps)
+        return rms_surrogate_in_graph(exact, q, self.weight, self.prefix, eps, *self._output_range())
 
     def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         if self.prefix == self.channels:
