@@ -38,7 +38,9 @@ The recipe:
    is rounded in float arithmetic and is not bit-identical to ``y_q``.)  The norm
    layers build the same surrogate in the forward's graph and swap its value for the
    exact one (:func:`exact_forward_in_graph`: the same gradients, one autograd pass;
-   :func:`surrogate_in_graph` where the exact values are already formed).
+   :func:`surrogate_in_graph` where the exact values are already formed); the L1 and
+   RMS norms' VJPs come from compiled loops on the CPU (:mod:`qnorm.nn.jitsurrogate`,
+   the same gradients up to float rounding).
 5. **Output**: a float tensor, or an ``IntQuantTensor`` (zero point 0) with
    ``return_quant_tensor=True``, so a layer sits between Brevitas layers without glue.
 

@@ -37,11 +37,14 @@ pass in the backward).  Per layer the surrogate is
   gradient ignores that 1/σ and γ are rounded to (one- or two-term) powers of two,
   and γ gets the gradient of the continuous γ it is rounded from;
 * L1LayerNorm: the true L1 norm ``γ (x − μ) / (sqrt(π/2) MAD + ε) + β``,
-  ``MAD = mean |x − μ|`` (the op's float reference, written in torch; on the CPU its
-  gradient comes from compiled loops, :mod:`qnorm.nn.jitsurrogate`: the same VJP in
-  float64, one autograd node where the torch graph has a dozen);
+  ``MAD = mean |x − μ|`` (the op's float reference, written in torch);
 * IntRMSNorm: ``F.rms_norm``; with ``partial = p < 1`` the partial RMS norm whose
   mean square comes from the first ``k = ceil(p N)`` elements of each row.
+
+The L1 and RMS surrogates are several torch operations each (torch's CPU ``rms_norm``
+is composite), so on the CPU their gradients come from compiled loops instead
+(:mod:`qnorm.nn.jitsurrogate`, with the ``fast`` extra): the same VJP with its sums in
+float64, one autograd node where the torch graph has half a dozen to a dozen.
 
 With ``eps = 0`` the surrogates take one unit of the golden op's statistic as their ε
 (:func:`surrogate_eps`): the float op is 0/0 on a row of equal values, which the
@@ -69,14 +72,13 @@ from torch import nn
 from qnorm import ops
 from qnorm.fixedpoint import DEFAULT_ROUND, Round
 from qnorm.nn import jitderive
-from qnorm.nn.jitsurrogate import SQRT_HALF_PI, l1_surrogate_in_graph, rms_surrogate_in_graph
 from qnorm.nn.base import QATModule, param_array, require_qformat
 from qnorm.nn.elementchain import ElementChain
+from qnorm.nn.jitsurrogate import SQRT_HALF_PI, l1_surrogate_in_graph, rms_surrogate_in_graph
 from qnorm.nn.quantizer import InputQuantizer, QuantizedInput, is_quant_tensor
 from qnorm.nn.surrogate import Output, Surrogate, clip_surrogate, surrogate_in_graph, to_output
 from qnorm.ops._normcore import DEFAULT_OUT, ChannelRule, ChannelWriter, FloatParams, NormConfig, NormOp
 from qnorm.qformat import QFormat
-
 
 
 def _channels(normalized_shape: int | Sequence[int]) -> int:

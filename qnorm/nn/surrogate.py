@@ -125,8 +125,8 @@ def exact_forward_in_graph(
     not change state, as there.  Without a gradient to compute (no_grad, or nothing
     requiring one) only the exact value is formed.  ``fresh``: the surrogate's output is
     a tensor of its own whose backward does not read it (it ends in
-    :func:`clip_surrogate`, which saves only its input), so the exact values are written into it and the clone
-    (a copy and an autograd node per call) is skipped.
+    :func:`clip_surrogate`, which saves only its input), so the exact values are written
+    into it and the clone (a copy and an autograd node per call) is skipped.
     """
     return surrogate_in_graph(exact_scaled(ints, q.value.dtype, float(out_scale)), surrogate, q, params, fresh=fresh)
 
