@@ -285,9 +285,11 @@ class IntNorm(QATModule):
 
     def _with_gradient(self, exact: torch.Tensor, config: NormConfig, q: QuantizedInput) -> torch.Tensor:
         """``exact`` with the clipped surrogate's gradient at the dequantized input: from the
-        layer's compiled loops where it has them and they apply, else the torch graph."""
+        layer's compiled loops where it has them and they apply, else the torch graph (also
+        in a graph ``torch.compile`` traces: its compiler fuses the graph itself)."""
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        if torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params)):
+        wants_gradient = torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params))
+        if wants_gradient and not torch.compiler.is_compiling():
             y = self._compiled_gradient(exact, config, q)
             if y is not None:
                 return y

@@ -278,6 +278,11 @@ class InputQuantizer(nn.Module):
         self.__dict__["_made_fmt"] = (key, fmt)  # past Module.__setattr__: no parameter or buffer
         return fmt
 
+    # Host logic (Python floats from the batch's extremes, the calibration, the format, numba):
+    # one opaque call under torch.compile.  Traced, Dynamo specialized on each batch's max |x|
+    # (a recompile per batch, up to its limit), and a layer calibrating under torch.compile
+    # found no format after its first batch's calibration.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor | Any) -> QuantizedInput:
         if is_quant_tensor(x):
             q = from_quant_tensor(x)

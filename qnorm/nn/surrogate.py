@@ -32,8 +32,12 @@ def clip_surrogate(y: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     norm's forward and backward on 512 rows of 32).  Its values are clamped to that wider
     range, so a caller keeps only its gradient (every surrogate here has its value
     replaced by the exact output); its backward reads only its input.  A bound whose next
-    step is infinite in ``y``'s dtype (a float16 range at its largest value) keeps clamp.
+    step is infinite in ``y``'s dtype (a float16 range at its largest value) keeps clamp,
+    and so does a graph ``torch.compile`` traces (its compiler fuses clamp's backward, and
+    the bounds' cache is not traced).
     """
+    if torch.compiler.is_compiling():
+        return y.clamp(lo, hi)
     below, above = _outside(float(lo), float(hi), y.dtype)
     if not (math.isfinite(below) and math.isfinite(above)):
         return y.clamp(lo, hi)
