@@ -37,6 +37,7 @@ from qnorm.nn.jitchain import _kernel, available
 from qnorm.nn.quantizer import NUMPY_FLOATS, QuantizedInput
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # c: c · MAD = σ for Gaussian rows
+L1, RMS = 0, 1  # the forward loop's statistic
 
 
 class _Form(Protocol):
@@ -56,7 +57,7 @@ class _L1Form:
     def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
                 hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         beta = np.zeros(rows.shape[1], dtype=rows.dtype) if beta is None else beta
-        return _kernel(_l1_forward)(rows, gamma, beta, eps, lo, hi)
+        return _kernel(_normalized)(rows, gamma, beta, eps, lo, hi, L1, rows.shape[1])
 
     def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
                  mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
@@ -69,7 +70,8 @@ class _RMSForm:
 
     def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
                 hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        return _kernel(_rms_forward)(rows, gamma, eps, lo, hi, self.prefix)
+        no_beta = np.zeros(rows.shape[1], dtype=rows.dtype)
+        return _kernel(_normalized)(rows, gamma, no_beta, eps, lo, hi, RMS, self.prefix)
 
     def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
                  mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
@@ -140,32 +142,6 @@ class _CompiledSurrogate(torch.autograd.Function):
         return None, None, None, None, None, None, None, dx, dw, db
 
 
-def _l1_forward(x, gamma, beta, eps, lo, hi):  # noqa: ANN001
-    """Per row: μ, D = c·MAD + ε, u = (x − μ) / D (float64), and whether y = γu + β lies in
-    [lo, hi]; returns u, 1/D per row and that mask."""
-    rows, n = x.shape
-    c = SQRT_HALF_PI
-    u = np.empty((rows, n), dtype=np.float64)
-    inv_d = np.empty(rows, dtype=np.float64)
-    keep = np.empty((rows, n), dtype=np.uint8)
-    for i in range(rows):
-        total = 0.0
-        for j in range(n):
-            total += x[i, j]
-        mean = total / n
-        spread = 0.0
-        for j in range(n):
-            spread += abs(x[i, j] - mean)
-        d = c * (spread / n) + eps
-        inv_d[i] = 1.0 / d
-        for j in range(n):
-            uu = (x[i, j] - mean) / d
-            u[i, j] = uu
-            y = np.float64(gamma[j]) * uu + beta[j]
-            keep[i, j] = 1 if (y >= lo and y <= hi) else 0
-    return u, inv_d, keep
-
-
 def _l1_backward(g, u, inv_d, keep, gamma, mask, masked):  # noqa: ANN001
     """The VJP of the module docstring, row by row, in float64; returns ∂x, ∂γ (summed over
     the rows) and ∂β in the gradient's dtype."""
@@ -195,27 +171,6 @@ def _l1_backward(g, u, inv_d, keep, gamma, mask, masked):  # noqa: ANN001
     return gx, gw.astype(g.dtype), gb.astype(g.dtype)
 
 
-def _rms_forward(x, gamma, eps, lo, hi, prefix):  # noqa: ANN001
-    """Per row: r = (ms + ε)^(−1/2) over the first ``prefix`` elements, u = x·r (float64),
-    and whether y = γu lies in [lo, hi]; returns u, r per row and that mask."""
-    rows, n = x.shape
-    u = np.empty((rows, n), dtype=np.float64)
-    r = np.empty(rows, dtype=np.float64)
-    keep = np.empty((rows, n), dtype=np.uint8)
-    for i in range(rows):
-        squares = 0.0
-        for j in range(prefix):
-            v = np.float64(x[i, j])
-            squares += v * v
-        r[i] = 1.0 / math.sqrt(squares / prefix + eps)
-        for j in range(n):
-            uu = x[i, j] * r[i]
-            u[i, j] = uu
-            y = np.float64(gamma[j]) * uu
-            keep[i, j] = 1 if (y >= lo and y <= hi) else 0
-    return u, r, keep
-
-
 def _rms_backward(g, u, r, keep, gamma, mask, masked, prefix):  # noqa: ANN001
     """The RMS VJP of the module docstring, row by row, in float64; returns ∂x, ∂γ (summed
     over the rows) and a zero ∂β (RMSNorm has none) in the gradient's dtype."""
@@ -234,3 +189,36 @@ def _rms_backward(g, u, r, keep, gamma, mask, masked, prefix):  # noqa: ANN001
             t = gy * gamma[j] - (k * u[i, j] if j < prefix else 0.0)
             gx[i, j] = r[i] * t * (mask[i, j] if masked else 1.0)
     return gx, gw.astype(g.dtype), np.zeros(n, dtype=g.dtype)
+
+
+def _normalized(x, gamma, beta, eps, lo, hi, statistic, prefix):  # noqa: ANN001
+    """Per row a center and a factor, u = (x − center)·factor (float64), and whether
+    y = γu + β lies in [lo, hi]; returns u, the factor per row and that mask.
+    ``statistic`` L1: the mean and 1/D, D = c·MAD + ε; RMS: 0 and (ms + ε)^(−1/2), the mean
+    square over the first ``prefix`` elements."""
+    rows, n = x.shape
+    u = np.empty((rows, n), dtype=np.float64)
+    factor = np.empty(rows, dtype=np.float64)
+    keep = np.empty((rows, n), dtype=np.uint8)
+    for i in range(rows):
+        center = 0.0
+        if statistic == L1:
+            for j in range(n):
+                center += x[i, j]
+            center /= n
+            spread = 0.0
+            for j in range(n):
+                spread += abs(x[i, j] - center)
+            factor[i] = 1.0 / (SQRT_HALF_PI * (spread / n) + eps)
+        else:
+            squares = 0.0
+            for j in range(prefix):
+                v = np.float64(x[i, j])
+                squares += v * v
+            factor[i] = 1.0 / math.sqrt(squares / prefix + eps)
+        for j in range(n):
+            uu = (x[i, j] - center) * factor[i]
+            u[i, j] = uu
+            y = np.float64(gamma[j]) * uu + beta[j]
+            keep[i, j] = 1 if (y >= lo and y <= hi) else 0
+    return u, factor, keep
