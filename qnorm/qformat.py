@@ -62,6 +62,11 @@ class QFormat:
         return int_range(self.bits, self.signed)[1]
 
     @property
+    def real_range(self) -> tuple[float, float]:
+        """The lowest and highest real values the format holds: ``lo · scale``, ``hi · scale``."""
+        return self.lo * self.scale, self.hi * self.scale
+
+    @property
     def is_power_of_two(self) -> bool:
         return math.frexp(self.scale)[0] == 0.5
 

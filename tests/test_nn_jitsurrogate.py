@@ -47,7 +47,7 @@ def reference(q: QuantizedInput, layer: IntNorm, config, grad: torch.Tensor) -> 
     """The clipped surrogate's VJP by autograd in float64 (the layer's float op with its
     surrogate ε, clamped to the output range, the input mask applied): ∂x, then ∂γ, ∂β
     where present."""
-    lo, hi = layer._output_range()
+    lo, hi = layer.out_fmt.real_range
     xd = q.dequant.to(torch.float64, copy=True).requires_grad_()
     params = [p.detach().to(torch.float64, copy=True).requires_grad_() for p in (layer.weight, layer.bias) if p is not None]
     w = params[0] if layer.weight is not None else None

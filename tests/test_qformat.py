@@ -60,6 +60,7 @@ def test_format_validation():
     assert QFormat.power_of_two(8, -5).is_power_of_two
     assert not QFormat(8, 0.3).is_power_of_two
     assert (QFormat(8, signed=False).lo, QFormat(8, signed=False).hi) == (0, 255)
+    assert QFormat(8, 0.25).real_range == (-32.0, 31.75) and QFormat(4, 0.5, signed=False).real_range == (0.0, 7.5)
 
 
 TIES = [0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999999999999994, -0.49999999999999994, 0.5000000000000001,

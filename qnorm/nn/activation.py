@@ -89,7 +89,7 @@ class IntActivation(QATModule):
         return self._float_op(x)
 
     def _surrogate(self) -> Surrogate:
-        lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
+        lo, hi = self.out_fmt.real_range
         return lambda xd: clip_surrogate(self._float_op(xd), lo, hi)
 
     @abc.abstractmethod

@@ -95,7 +95,7 @@ class BNQuantAct(BNQATModule):
             self.update_running_stats(stats)
         op = self.golden(q.fmt, stats)
         running, sync = self.frozen_running(), self.syncing()
-        lo, hi = self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
+        lo, hi = self.out_fmt.real_range
 
         def surrogate(xd: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return clip_surrogate(self.surrogate_bn(xd, w, b, running, sync), lo, hi)

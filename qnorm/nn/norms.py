@@ -288,8 +288,9 @@ class IntNorm(QATModule):
         layer's compiled loops where it has them and they apply, else the torch graph (also
         in a graph ``torch.compile`` traces: its compiler fuses the graph itself)."""
         params = tuple(p for p in (self.weight, self.bias) if p is not None)
-        wants_gradient = torch.is_grad_enabled() and (q.value.requires_grad or any(p.requires_grad for p in params))
-        if wants_gradient and not torch.compiler.is_compiling():
+        if not torch.is_grad_enabled() or not (q.value.requires_grad or any(p.requires_grad for p in params)):
+            return exact  # eval and no_grad: no surrogate to form
+        if not torch.compiler.is_compiling():
             y = self._compiled_gradient(exact, config, q)
             if y is not None:
                 return y
@@ -300,10 +301,6 @@ class IntNorm(QATModule):
         """``exact`` with the surrogate's gradient from compiled loops
         (:mod:`qnorm.nn.jitsurrogate`), or None: the torch graph serves."""
         return None
-
-    def _output_range(self) -> tuple[float, float]:
-        """The output format's range in real units: where the surrogate is clipped."""
-        return self.out_fmt.lo * self.out_fmt.scale, self.out_fmt.hi * self.out_fmt.scale
 
     # One opaque call under torch.compile for the derivation and the integers (numba inside);
     # the compiled loops it reaches need no guard of their own on this road.
@@ -334,7 +331,7 @@ class IntNorm(QATModule):
         return self._float_op(x, self.weight, self.bias, self.eps)
 
     def _surrogate(self, config: NormConfig) -> Surrogate:
-        lo, hi = self._output_range()
+        lo, hi = self.out_fmt.real_range
         has_w, has_b = self.weight is not None, self.bias is not None
         eps = surrogate_eps(config, self.eps)
 
@@ -417,7 +414,7 @@ class L1LayerNorm(IntNorm):
         """The true L1 norm's VJP in compiled loops (the torch graph's gradient up to float
         rounding, one autograd node where the graph has a dozen)."""
         eps = surrogate_eps(config, self.eps)
-        return l1_surrogate_in_graph(exact, q, self.weight, self.bias, eps, *self._output_range())
+        return l1_surrogate_in_graph(exact, q, self.weight, self.bias, eps, *self.out_fmt.real_range)
 
     def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         dev = x - x.mean(dim=-1, keepdim=True)
@@ -494,7 +491,7 @@ class IntRMSNorm(IntNorm):
         """The (partial) RMS norm's VJP in compiled loops (torch's CPU ``rms_norm`` is half a
         dozen operations and autograd nodes; the same gradient up to float rounding)."""
         eps = surrogate_eps(config, self.eps)
-        return rms_surrogate_in_graph(exact, q, self.weight, self.prefix, eps, *self._output_range())
+        return rms_surrogate_in_graph(exact, q, self.weight, self.prefix, eps, *self.out_fmt.real_range)
 
     def _float_op(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
         if self.prefix == self.channels:
