@@ -1,5 +1,5 @@
 """The norm kernels' output stage with one clamp window for every channel, or none,
-or on 16-bit lanes.
+or on 16-bit lanes, and rows that skip the clamp.
 
 ``norm_kernel`` replaces the op's per-channel clamp windows by one shared window
 (or no clamp where z's range allows) where :func:`_shared_window` proves the sums
@@ -8,7 +8,9 @@ where :func:`_high_half` proves that exact.  Checked here: the shared and the 16
 constants give the op's ``_output`` on every z of the proven range (each z inside
 the window, a stride beyond it, where the output is saturated or constant), the
 kernels pick the cheapest form that is proven, and the compiled kernels stay
-bit-exact.
+bit-exact.  Rows whose z keeps every sum in the lanes run without the clamp
+(:func:`_row_reach`): the unclamped sums give the op's outputs on every z of the
+reach, and a kernel given rows of both kinds is bit-exact.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import pytest
 tvm = pytest.importorskip("tvm")
 
 from compilers.tvm.kernels import kernel_for
-from compilers.tvm.kernels.norms import HIGH_HALF, _high_half, _shared_window
+from compilers.fpga.kernel_c import HLS
+from compilers.tvm.kernels.norms import HIGH_HALF, _high_half, _row_reach, _shared_window
 from qnorm.fixedpoint import Round, clamp, rshift_round, saturate
 from qnorm.ops import IntLayerNorm, IntRMSNorm, L1LayerNorm, ShiftLayerNorm
 from qnorm.qformat import QFormat
@@ -120,3 +123,77 @@ def test_the_16_bit_stage_gives_the_ops_output_on_every_z(cls):
         np.testing.assert_array_equal(got, op._output(z, None))
     rng = np.random.default_rng(7)
     check_kernel(op, edge_rows(INT8, 768, 768), random_rows(INT8, 768, 32, rng))
+
+
+def shared_constants(op: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(g_c, B_c) of the kernel's sum ``clamp(z, L, H)·g_c + B_c`` under one shared window."""
+    shared = _shared_window(op, op.ranges()["z"])
+    assert shared is not None and shared[0] is not None
+    return shared[1], shared[2]
+
+
+REACH_CASES = [
+    (IntLayerNorm, 768, Round.HALF_UP),
+    (IntLayerNorm, 768, Round.HALF_EVEN),
+    (ShiftLayerNorm, 1024, Round.HALF_UP),
+]
+REACH_IDS = [f"{c.__name__}-{n}-{r.value}" for c, n, r in REACH_CASES]
+
+
+@pytest.mark.parametrize("cls, n, rounding", REACH_CASES, ids=REACH_IDS)
+def test_unclamped_sums_give_the_ops_output_on_every_z_of_the_reach(cls, n, rounding):
+    op = trained_op(cls, n, rounding)
+    cfg, z_range = op.config, op.ranges()["z"]
+    gain, bias = shared_constants(op)
+    lo, hi = _row_reach(gain, bias, cfg.lanes)
+    limit = 1 << (cfg.lanes - 1)
+    g = np.asarray(gain, dtype=np.int64)
+    b = np.asarray(bias, dtype=np.int64)
+    # the widest such range: one step past either end some channel's sum leaves the lanes
+    for end in (lo - 1, hi + 1):
+        sums = end * g + b
+        assert sums.min() < -limit or sums.max() >= limit
+    # it holds the shared window with room to spare: most rows need no clamp
+    window = _shared_window(op, z_range)[0]
+    assert lo < 2 * window[0] and hi > 2 * window[1]
+    inside = np.arange(max(window[0] - 2, lo, z_range.lo), min(window[1] + 2, hi, z_range.hi) + 1)
+    beyond = np.arange(max(lo, z_range.lo), min(hi, z_range.hi) + 1, BEYOND_STRIDE)
+    zs = np.unique(np.concatenate([inside, beyond, [max(lo, z_range.lo), min(hi, z_range.hi)]]))
+    half = (1 << cfg.shift) >> 1 if rounding is Round.HALF_UP else 0
+    for chunk in np.array_split(zs, max(1, len(zs) // 4096)):
+        z = np.repeat(chunk[:, None], n, axis=1)
+        acc = z * g + b
+        assert acc.min() >= -limit and acc.max() < limit
+        got = saturate(rshift_round(acc - half, cfg.shift, cfg.rounding), cfg.out_fmt.bits, cfg.out_fmt.signed)
+        np.testing.assert_array_equal(got, op._output(z, None))
+
+
+def rows_within_reach(op: Any, rows: np.ndarray) -> np.ndarray:
+    """Which rows the kernel runs unclamped: z at both ends of the input format (the
+    row's multiplier, offset and shift from the golden op) within :func:`_row_reach`.
+    Every norm here has a ≥ 0, so z is monotone in x."""
+    cfg, trace = op.config, {}
+    op.forward(rows, trace)
+    a, k = (np.asarray(trace[name], dtype=np.int64).reshape(-1) for name in ("mult", "z_shift"))
+    c = np.asarray(trace["offset"], dtype=np.int64).reshape(-1) if "offset" in trace else 0
+    lo, hi = _row_reach(*shared_constants(op), cfg.lanes)
+    z_lo, z_hi = (rshift_round(v * a - c, k, cfg.rounding) for v in (cfg.in_fmt.lo, cfg.in_fmt.hi))
+    return (z_lo >= lo) & (z_hi <= hi)
+
+
+@pytest.mark.parametrize("cls, n, rounding", REACH_CASES, ids=REACH_IDS)
+def test_rows_with_and_without_the_clamp_are_bit_exact(cls, n, rounding):
+    op = trained_op(cls, n, rounding)
+    kernel = kernel_for(op)
+    assert "unclamped" in kernel.mod.script()  # the per-row choice is built
+    rows = np.concatenate([edge_rows(INT8, n, n), random_rows(INT8, n, 32, np.random.default_rng(n))])
+    within = rows_within_reach(op, rows)
+    assert within.any() and not within.all()  # both kinds of rows are run
+    check_kernel(op, rows)
+
+
+def test_fabric_keeps_the_clamp_on_every_row():
+    """HLS builds what the kernel computes as hardware: one datapath, always clamped."""
+    op = trained_op(IntLayerNorm, 768)
+    assert "unclamped" in kernel_for(op).mod.script()
+    assert "unclamped" not in kernel_for(op, HLS).mod.script()

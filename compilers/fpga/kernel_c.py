@@ -55,7 +55,7 @@ def _serial_rows(extent: Any) -> Any:
     return T.serial(0, extent)
 
 
-HLS = Schedule("hls", _rows_inside, _serial_rows, serial_channels, shift_gains=True)
+HLS = Schedule("hls", _rows_inside, _serial_rows, serial_channels, shift_gains=True, unclamped_rows=False)
 
 
 # --------------------------------------------------------------------------- TVM → C

@@ -52,6 +52,10 @@ class Schedule:
     # negate (fabric whose multipliers are DSP blocks: HLS), instead of one multiply
     # by ±2^l, the same integers in a quarter of the instructions on CPUs and GPUs.
     shift_gains: bool = False
+    # Rows whose z keeps every output sum in the lanes skip the norms' window clamp (a
+    # branch per row: two of the element loop's instructions saved on CPUs and GPUs);
+    # in fabric the branch would build both datapaths, and the clamp costs no cycle.
+    unclamped_rows: bool = True
 
 
 _scheduled: OrderedDict[tuple[Schedule, str, str], tvm.IRModule] = OrderedDict()

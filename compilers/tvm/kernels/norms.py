@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import tvm
 from tvm import te
 
 from compilers.tvm.kernels._base import (
@@ -111,6 +112,7 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     half_up = cfg.rounding is Round.HALF_UP
     shared = _shared_window(op, rep["z"]) if scale is _scale_multiply else None
     high = _high_half(cfg, rep["z"], shared) if shared is not None and half_up else None
+    folded = None  # (g_c, B_c) of the shared window's acc = clamp(z, L, H)·g_c + B_c
     if high is not None:  # see _high_half: the output stage on 16-bit lanes, exactly
         channel = {"gain": high[0], "bias": high[1]}
     elif shared is not None:  # see _shared_window: one window or none, the recentring in the bias
@@ -118,6 +120,7 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
         channel = {"gain": gain, "bias": _wrap(bias, cfg.lanes)}
         if bounds is not None:
             channel["window"] = np.array(bounds, dtype=object)
+            folded = gain, bias
     elif half_up:  # see _folded_output: the clamp in z, the recentring folded into the bias
         gain = np.asarray(cfg.gain, dtype=object)
         acc_bias = win.bias.astype(object) - win.off.astype(object) * gain + ((1 << cfg.shift) >> 1)
@@ -162,19 +165,40 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     if total is None and not half_up:
         offset = None  # c = 0: x·a alone
 
-    def element(r: Any, c: Any) -> Any:
+    def normalized(r: Any, c: Any, tr: Any) -> Any:
         # x·a − c modulo 2^lanes (see the module docstring), then the op's own shift
         xa = x[r, c].astype(dt).astype(udt) * mult[r].astype(udt)
         if offset is not None:
             xa = xa - offset[r].astype(udt)
-        xa = record(trace, "xa", xa.astype(dt))
+        xa = record(tr, "xa", xa.astype(dt))
         k = zshift[r].astype(dt)
-        z = record(trace, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
+        return record(tr, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
+
+    # per row: whether z of every input the format holds keeps every sum in the lanes
+    # unclamped (see _row_reach); a ≥ 0 makes z monotone in x, so its two ends decide
+    unclamped = None
+    if schedule.unclamped_rows and folded is not None and rep["mult"].lo >= 0 and _ends_fit_int64(cfg, rep):
+        reach = _row_reach(*folded, cfg.lanes)
+
+        def row_fits(r: Any) -> Any:
+            a, k = load64(mult, r), load64(zshift, r)
+            c0 = 0 if offset is None else load64(offset, r)
+            ends = [v * a - c0 for v in (cfg.in_fmt.lo, cfg.in_fmt.hi)]
+            lo_z, hi_z = (e >> k if half_up else rshift_round(e, k, cfg.rounding) for e in ends)
+            return tvm.tirx.all(reach[0] <= lo_z, hi_z <= reach[1]).astype("int8")
+
+        unclamped = te.compute((rows,), row_fits, name="unclamped")
+
+    def element(r: Any, c: Any) -> Any:
+        z = normalized(r, c, trace)
         shift = cfg.shift
         if high is not None:
             acc, shift = _high_half_output(z, c, bufs, trace), shift - 16
         elif shared is not None or half_up:
             acc = _folded_output(z, _clamp_bounds(bufs, dt, c), c, bufs, dt, scale, trace)
+            if unclamped is not None:
+                free = _folded_output(normalized(r, c, None), None, c, bufs, dt, scale, None)
+                acc = tvm.tirx.if_then_else(unclamped[r] != 0, free, acc)
         else:  # mirror of NormOp._output: clamp window, recentre, scale, bias
             zc = clamp(z, load_as(bufs["lo"], dt, c), load_as(bufs["hi"], dt, c)) - load_as(bufs["off"], dt, c)
             zc = record(trace, "zc", zc)
@@ -308,6 +332,39 @@ def _folded_output(
     zc = record(trace, "zc", z if bounds is None else clamp(z, *bounds))
     scaled = record(trace, "scaled", scale(zc.astype(udt), c, bufs, udt))
     return record(trace, "acc", (scaled + load_as(bufs["bias"], dt, c).astype(udt)).astype(dt))
+
+
+def _ends_fit_int64(cfg: NormConfig, rep: Any) -> bool:
+    """Whether ``v·a − c`` fits int64 for both ends v of the input format and every
+    proven multiplier a and offset c (the half-up half included: |c − 2^(K−1)| is at
+    most |c| + 2^(K−1))."""
+    v = max(abs(cfg.in_fmt.lo), abs(cfg.in_fmt.hi))
+    a = max(abs(rep["mult"].lo), abs(rep["mult"].hi))
+    c = max(abs(rep["offset"].lo), abs(rep["offset"].hi)) if "offset" in rep.items else 0
+    return v * a + c + (1 << max(rep["z_shift"].hi, 0)) < 1 << 62
+
+
+def _row_reach(gain: np.ndarray, bias: np.ndarray, lanes: int) -> tuple[int, int]:
+    """The widest ``[lo, hi]`` of z for which every channel's ``z·g_c + B_c`` fits the lanes.
+
+    A window clamp (shared or per channel) only keeps those sums in the lanes: beyond
+    a channel's window its output is saturated anyway (the argument of
+    :func:`_shared_window`).  So a row whose z stays within this reach for every input
+    the format holds gives the same outputs with no clamp at all, and the kernel runs
+    such rows without it (two instructions of the element loop's ten; the rows of
+    tiny variance, whose z spreads widest, keep the clamp).  Measured at x86-64-v4 on
+    AMD Zen 4, interleaved, N(0, 1) rows: IntLayerNorm 474 → 424 µs at 4096×768 and
+    623 → 530 µs at 1024×4096, L1LayerNorm 461 → 411 and 624 → 563 µs.
+    """
+    limit = 1 << (lanes - 1)
+    lo, hi = -limit, limit - 1
+    for g, b in zip(gain, bias):
+        g, b = int(g), int(b)
+        if g > 0:
+            lo, hi = max(lo, -((limit + b) // g)), min(hi, (limit - 1 - b) // g)
+        elif g < 0:
+            lo, hi = max(lo, -((limit - 1 - b) // -g)), min(hi, (limit + b) // -g)
+    return lo, hi
 
 
 def _wrap(values: np.ndarray, lanes: int) -> np.ndarray:
