@@ -358,7 +358,7 @@ def _row_reach(gain: np.ndarray, bias: np.ndarray, lanes: int) -> tuple[int, int
     """
     limit = 1 << (lanes - 1)
     lo, hi = -limit, limit - 1
-    for g, b in zip(gain, bias):
+    for g, b in zip(gain, bias, strict=True):
         g, b = int(g), int(b)
         if g > 0:
             lo, hi = max(lo, -((limit + b) // g)), min(hi, (limit - 1 - b) // g)
