@@ -29,7 +29,9 @@ How :meth:`NormOp._forward`'s stages map to TIR (``rows`` symbolic, N static):
    loop reads two per-channel constants instead of four.  Where :func:`_high_half`
    proves it exact (every bias a multiple of 2^16, as a norm without β has), the
    stage runs on 16-bit lanes: z saturated to int16, the high half of ``zc·m_c``,
-   the bias's high half, one shift.
+   the bias's high half, one shift.  Under a shared window, a row whose z cannot
+   leave :func:`_row_reach` skips the clamp (a branch per row, where the schedule
+   allows it).
 
 Mirrored stages are guarded twice: a kernel is refused for an op class that
 overrides ``_forward``, ``_output`` or ``_scale`` with code this module has not
@@ -347,9 +349,9 @@ def _ends_fit_int64(cfg: NormConfig, rep: Any) -> bool:
 def _row_reach(gain: np.ndarray, bias: np.ndarray, lanes: int) -> tuple[int, int]:
     """The widest ``[lo, hi]`` of z for which every channel's ``z·g_c + B_c`` fits the lanes.
 
-    A window clamp (shared or per channel) only keeps those sums in the lanes: beyond
-    a channel's window its output is saturated anyway (the argument of
-    :func:`_shared_window`).  So a row whose z stays within this reach for every input
+    The shared window's clamp only keeps those sums in the lanes: beyond a channel's
+    window its output is saturated anyway (the argument of :func:`_shared_window`).
+    So a row whose z stays within this reach for every input
     the format holds gives the same outputs with no clamp at all, and the kernel runs
     such rows without it (two instructions of the element loop's ten; the rows of
     tiny variance, whose z spreads widest, keep the clamp).  Measured at x86-64-v4 on
