@@ -167,14 +167,17 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     if total is None and not half_up:
         offset = None  # c = 0: x·a alone
 
+    def shifted(xa: Any, k: Any) -> Any:
+        # z from x·a − c: the half-up half is in the row's offset, so a floor shift
+        return xa >> k if half_up else rshift_round(xa, k, cfg.rounding)
+
     def normalized(r: Any, c: Any, tr: Any) -> Any:
         # x·a − c modulo 2^lanes (see the module docstring), then the op's own shift
         xa = x[r, c].astype(dt).astype(udt) * mult[r].astype(udt)
         if offset is not None:
             xa = xa - offset[r].astype(udt)
         xa = record(tr, "xa", xa.astype(dt))
-        k = zshift[r].astype(dt)
-        return record(tr, "z", xa >> k if half_up else rshift_round(xa, k, cfg.rounding))
+        return record(tr, "z", shifted(xa, zshift[r].astype(dt)))
 
     # per row: whether z of every input the format holds keeps every sum in the lanes
     # unclamped (see _row_reach); a ≥ 0 makes z monotone in x, so its two ends decide
@@ -186,7 +189,7 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
             a, k = load64(mult, r), load64(zshift, r)
             c0 = 0 if offset is None else load64(offset, r)
             ends = [v * a - c0 for v in (cfg.in_fmt.lo, cfg.in_fmt.hi)]
-            lo_z, hi_z = (e >> k if half_up else rshift_round(e, k, cfg.rounding) for e in ends)
+            lo_z, hi_z = (shifted(e, k) for e in ends)
             return tvm.tirx.all(reach[0] <= lo_z, hi_z <= reach[1]).astype("int8")
 
         unclamped = te.compute((rows,), row_fits, name="unclamped")
