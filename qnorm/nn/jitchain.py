@@ -163,6 +163,16 @@ def _kernel(loop: Callable[..., None]) -> Any:
     return _numba().njit(cache=False, nogil=True)(loop)
 
 
+@functools.cache
+def _reassociating_kernel(loop: Callable[..., None]) -> Any:
+    """``loop`` compiled with its float additions and multiplications free to reassociate,
+    so that LLVM vectorizes its float64 sums (a sum in one register is bound by the
+    adder's latency): for float loops whose results are held to a tolerance, never for
+    the exact integer ones.  No other fast-math freedom: NaN, infinities and signed
+    zeros keep their meaning, and nothing is contracted into a fused multiply-add."""
+    return _numba().njit(cache=False, nogil=True, fastmath={"reassoc"})(loop)
+
+
 def _rows(x, out, thresholds, steps, lo, hi, off, gain, bias, statistic, inverse, prefix, p, pg, eps,  # noqa: ANN001
           mant_bits, frac_bits, base, zbase, mult_shift, centered, shift, out_lo, out_hi, factor):  # fmt: skip
     """The loop :func:`run_rows` runs: every row's stages 1–3, then its elements."""

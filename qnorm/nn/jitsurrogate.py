@@ -7,10 +7,10 @@ mean square of the row's first k elements, k = N unless partial), each clipped w
 ``y`` leaves the output range.  Written in torch these are a dozen and half a dozen
 operations forward (torch's CPU ``rms_norm`` is composite) and as many autograd nodes
 backward: on a QAT batch (512 rows of 32) ~200 µs (L1) more than ``F.layer_norm``'s
-surrogate, per layer and step.  Here one compiled loop forms what the backward needs
-(the normalized row ``u``, one factor per row, the clip mask) and one forms the
-vector-Jacobian product (``g' = g · [lo <= y <= hi]``, ``mask`` the input quantizer's
-straight-through mask):
+surrogate, per layer and step.  Here the forward keeps one center and one factor per
+row (a compiled loop over the rows), and the backward's loop forms the normalized row
+``u``, the clip mask and the vector-Jacobian product from them (``g' = g · [lo <= y <= hi]``,
+``mask`` the input quantizer's straight-through mask), two passes per row:
 
     L1:   u = (x − μ) / D,  D = c·MAD + ε,
           ∂β = Σ_rows g',  ∂γ = Σ_rows g'·u,  ∂x = (t − mean(t)) · mask,
@@ -20,7 +20,12 @@ straight-through mask):
 
 Sums are in float64, so the results are the torch graphs' gradients up to float
 rounding, not bit for bit (``tests/test_nn_jitsurrogate.py`` holds them to the float64
-VJP by autograd); ``y`` is evaluated in float64 for the clip.
+VJP by autograd); ``y`` is evaluated in float64 for the clip.  ``mean(t)`` is formed
+from the first pass's sums, ``(Σ g'·γ − (c/N)·Σ(g'·γ·u)·Σ sign(u)) / (N·D)``, so the
+second pass writes ∂x directly.  Nothing of size rows × N is kept between forward and
+backward but the dequantized input itself (u in float64 would be twice its size, and
+inside a training step the backward reading it back from memory cost more than
+forming it again).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from qnorm.nn.jitchain import _kernel, available
+from qnorm.nn.jitchain import _reassociating_kernel, available
 from qnorm.nn.quantizer import NUMPY_FLOATS, QuantizedInput
 
 SQRT_HALF_PI = math.sqrt(math.pi / 2)  # c: c · MAD = σ for Gaussian rows
@@ -41,41 +46,48 @@ L1, RMS = 0, 1  # the forward loop's statistic
 
 
 class _Form(Protocol):
-    """One surrogate's two loops: what the backward needs, and the VJP."""
+    """One surrogate's two loops: the per-row statistics, and the VJP."""
 
-    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
-                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        """u (rows × N, float64), one float64 factor per row, the clip mask (uint8)."""
+    def forward(self, rows: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """The center and the factor of each row (float64): u = (x − center)·factor."""
 
-    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+    def backward(self, g: np.ndarray, rows: np.ndarray, center: np.ndarray, factor: np.ndarray, clip: _Clip,
                  mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """∂x, ∂γ, ∂β in ``g``'s dtype."""
 
 
 @dataclass(frozen=True)
-class _L1Form:
-    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
-                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        beta = np.zeros(rows.shape[1], dtype=rows.dtype) if beta is None else beta
-        return _kernel(_normalized)(rows, gamma, beta, eps, lo, hi, L1, rows.shape[1])
+class _Clip:
+    """What decides which outputs the surrogate clips: y = γu + β against [lo, hi]."""
 
-    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+    gamma: np.ndarray
+    beta: np.ndarray
+    lo: float
+    hi: float
+
+
+@dataclass(frozen=True)
+class _L1Form:
+    def forward(self, rows: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        return _reassociating_kernel(_row_factors)(rows, eps, L1, rows.shape[1])
+
+    def backward(self, g: np.ndarray, rows: np.ndarray, center: np.ndarray, factor: np.ndarray, clip: _Clip,
                  mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        return _kernel(_l1_backward)(g, u, factor, keep, gamma, mask, masked)
+        loop = _reassociating_kernel(_l1_backward)
+        return loop(g, rows, center, factor, clip.gamma, clip.beta, clip.lo, clip.hi, mask, masked)
 
 
 @dataclass(frozen=True)
 class _RMSForm:
     prefix: int  # k: the mean square's elements (the first k of each row)
 
-    def forward(self, rows: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float, lo: float,
-                hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        no_beta = np.zeros(rows.shape[1], dtype=rows.dtype)
-        return _kernel(_normalized)(rows, gamma, no_beta, eps, lo, hi, RMS, self.prefix)
+    def forward(self, rows: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        return _reassociating_kernel(_row_factors)(rows, eps, RMS, self.prefix)
 
-    def backward(self, g: np.ndarray, u: np.ndarray, factor: np.ndarray, keep: np.ndarray, gamma: np.ndarray,
+    def backward(self, g: np.ndarray, rows: np.ndarray, center: np.ndarray, factor: np.ndarray, clip: _Clip,
                  mask: np.ndarray, masked: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-        return _kernel(_rms_backward)(g, u, factor, keep, gamma, mask, masked, self.prefix)
+        loop = _reassociating_kernel(_rms_backward)
+        return loop(g, rows, factor, clip.gamma, clip.beta, clip.lo, clip.hi, mask, masked, self.prefix)
 
 
 def l1_surrogate_in_graph(exact: torch.Tensor, q: QuantizedInput, weight: torch.Tensor | None,
@@ -119,22 +131,25 @@ class _CompiledSurrogate(torch.autograd.Function):
     def forward(ctx: Any, form: _Form, exact: torch.Tensor, dequant: torch.Tensor, mask: torch.Tensor | None,
                 eps: float, lo: float, hi: float, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        rows = dequant.detach().contiguous().numpy().reshape(-1, dequant.shape[-1])
-        gamma = weight.detach().numpy().copy()  # γ as the forward saw it (the torch graph saves it too)
-        beta = None if bias is None else bias.detach().numpy()
-        u, factor, keep = form.forward(rows, gamma, beta, eps, lo, hi)
+        held = dequant.detach().contiguous()  # the quantizer's own output: nothing writes to it
+        rows = held.numpy().reshape(-1, dequant.shape[-1])
+        center, factor = form.forward(rows, eps)
+        # γ and β as the forward saw them (the torch graph saves them too)
+        gamma = weight.detach().numpy().copy()
+        beta = np.zeros(rows.shape[1], dtype=rows.dtype) if bias is None else bias.detach().numpy().copy()
         # no mask (IntQuantTensor input): a 1×1 stand-in the backward does not read
         stand_in = np.ones((1, 1), dtype=rows.dtype)
-        ctx.saved = (u, factor, keep, gamma, stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))
+        ctx.saved = (held, rows, center, factor, _Clip(gamma, beta, lo, hi),
+                     stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))  # fmt: skip
         ctx.form, ctx.masked, ctx.shape = form, mask is not None, x.shape
         return exact
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        u, factor, keep, gamma, mask = ctx.saved
-        gx, gw, gb = ctx.form.backward(grad.contiguous().numpy().reshape(u.shape), u, factor, keep, gamma, mask,
-                                       ctx.masked)  # fmt: skip
+        _, rows, center, factor, clip, mask = ctx.saved
+        g = grad.contiguous().numpy().reshape(rows.shape)
+        gx, gw, gb = ctx.form.backward(g, rows, center, factor, clip, mask, ctx.masked)
         needs = ctx.needs_input_grad  # form, exact, dequant, mask, eps, lo, hi, x, weight, bias
         dx = torch.from_numpy(gx).view(ctx.shape) if needs[7] else None
         dw = torch.from_numpy(gw) if needs[8] else None
@@ -142,73 +157,81 @@ class _CompiledSurrogate(torch.autograd.Function):
         return None, None, None, None, None, None, None, dx, dw, db
 
 
-def _l1_backward(g, u, inv_d, keep, gamma, mask, masked):  # noqa: ANN001
+def _l1_backward(g, x, center, inv_d, gamma, beta, lo, hi, mask, masked):  # noqa: ANN001
     """The VJP of the module docstring, row by row, in float64; returns ∂x, ∂γ (summed over
-    the rows) and ∂β in the gradient's dtype."""
+    the rows) and ∂β in the gradient's dtype.  The first pass forms u and g' (kept for the
+    row only) and every sum; the second writes ∂x."""
     rows, n = g.shape
     k_scale = SQRT_HALF_PI / n
     gw = np.zeros(n, dtype=np.float64)
     gb = np.zeros(n, dtype=np.float64)
     gx = np.empty_like(g)
-    t = np.empty(n, dtype=np.float64)
+    u = np.empty(n, dtype=np.float64)
+    gy = np.empty(n, dtype=np.float64)
     for i in range(rows):
-        dot = 0.0
+        dot = 0.0  # Σ g'·γ·u
+        weighted = 0.0  # Σ g'·γ
+        signs = 0.0  # Σ sign(u)
         for j in range(n):
-            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
-            gb[j] += gy
-            gw[j] += gy * u[i, j]
-            dot += gy * gamma[j] * u[i, j]
+            uu = (x[i, j] - center[i]) * inv_d[i]
+            y = np.float64(gamma[j]) * uu + beta[j]
+            kept = np.float64(g[i, j]) if (y >= lo and y <= hi) else 0.0
+            u[j], gy[j] = uu, kept
+            gb[j] += kept
+            gw[j] += kept * uu
+            dot += kept * gamma[j] * uu
+            weighted += kept * gamma[j]
+            signs += 1.0 if uu > 0 else (-1.0 if uu < 0 else 0.0)
         k = dot * k_scale
-        mean = 0.0
+        mean = (weighted - k * signs) * inv_d[i] / n
         for j in range(n):
-            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
-            sign = 1.0 if u[i, j] > 0 else (-1.0 if u[i, j] < 0 else 0.0)
-            t[j] = (gy * gamma[j] - k * sign) * inv_d[i]
-            mean += t[j]
-        mean /= n
-        for j in range(n):
-            gx[i, j] = (t[j] - mean) * (mask[i, j] if masked else 1.0)
+            sign = 1.0 if u[j] > 0 else (-1.0 if u[j] < 0 else 0.0)
+            t = (gy[j] * gamma[j] - k * sign) * inv_d[i]
+            gx[i, j] = (t - mean) * (mask[i, j] if masked else 1.0)
     return gx, gw.astype(g.dtype), gb.astype(g.dtype)
 
 
-def _rms_backward(g, u, r, keep, gamma, mask, masked, prefix):  # noqa: ANN001
+def _rms_backward(g, x, r, gamma, beta, lo, hi, mask, masked, prefix):  # noqa: ANN001
     """The RMS VJP of the module docstring, row by row, in float64; returns ∂x, ∂γ (summed
-    over the rows) and a zero ∂β (RMSNorm has none) in the gradient's dtype."""
+    over the rows) and a zero ∂β (RMSNorm has none) in the gradient's dtype.  ``beta``:
+    zeros, the clip's y = γu."""
     rows, n = g.shape
     gw = np.zeros(n, dtype=np.float64)
     gx = np.empty_like(g)
+    u = np.empty(n, dtype=np.float64)
+    gy = np.empty(n, dtype=np.float64)
     for i in range(rows):
         dot = 0.0
         for j in range(n):
-            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
-            gw[j] += gy * u[i, j]
-            dot += gy * gamma[j] * u[i, j]
+            uu = (x[i, j] - 0.0) * r[i]
+            y = np.float64(gamma[j]) * uu + beta[j]
+            kept = np.float64(g[i, j]) if (y >= lo and y <= hi) else 0.0
+            u[j], gy[j] = uu, kept
+            gw[j] += kept * uu
+            dot += kept * gamma[j] * uu
         k = dot / prefix
         for j in range(n):
-            gy = np.float64(g[i, j]) if keep[i, j] else 0.0
-            t = gy * gamma[j] - (k * u[i, j] if j < prefix else 0.0)
+            t = gy[j] * gamma[j] - (k * u[j] if j < prefix else 0.0)
             gx[i, j] = r[i] * t * (mask[i, j] if masked else 1.0)
     return gx, gw.astype(g.dtype), np.zeros(n, dtype=g.dtype)
 
 
-def _normalized(x, gamma, beta, eps, lo, hi, statistic, prefix):  # noqa: ANN001
-    """Per row a center and a factor, u = (x − center)·factor (float64), and whether
-    y = γu + β lies in [lo, hi]; returns u, the factor per row and that mask.
-    ``statistic`` L1: the mean and 1/D, D = c·MAD + ε; RMS: 0 and (ms + ε)^(−1/2), the mean
-    square over the first ``prefix`` elements."""
+def _row_factors(x, eps, statistic, prefix):  # noqa: ANN001
+    """Per row a center and a factor (float64), u = (x − center)·factor.  ``statistic`` L1:
+    the mean and 1/D, D = c·MAD + ε; RMS: 0 and (ms + ε)^(−1/2), the mean square over the
+    first ``prefix`` elements."""
     rows, n = x.shape
-    u = np.empty((rows, n), dtype=np.float64)
+    center = np.zeros(rows, dtype=np.float64)
     factor = np.empty(rows, dtype=np.float64)
-    keep = np.empty((rows, n), dtype=np.uint8)
     for i in range(rows):
-        center = 0.0
         if statistic == L1:
+            total = 0.0
             for j in range(n):
-                center += x[i, j]
-            center /= n
+                total += x[i, j]
+            center[i] = total / n
             spread = 0.0
             for j in range(n):
-                spread += abs(x[i, j] - center)
+                spread += abs(x[i, j] - center[i])
             factor[i] = 1.0 / (SQRT_HALF_PI * (spread / n) + eps)
         else:
             squares = 0.0
@@ -216,9 +239,4 @@ def _normalized(x, gamma, beta, eps, lo, hi, statistic, prefix):  # noqa: ANN001
                 v = np.float64(x[i, j])
                 squares += v * v
             factor[i] = 1.0 / math.sqrt(squares / prefix + eps)
-        for j in range(n):
-            uu = (x[i, j] - center) * factor[i]
-            u[i, j] = uu
-            y = np.float64(gamma[j]) * uu + beta[j]
-            keep[i, j] = 1 if (y >= lo and y <= hi) else 0
-    return u, factor, keep
+    return center, factor
