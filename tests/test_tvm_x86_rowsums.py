@@ -30,7 +30,7 @@ SEED = 20261202
 V2 = ("fpu", "lm", "sse", "sse2", "cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
 V3 = V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
 V4 = V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-AVX2, AVX512 = "llvm.x86.avx2.psad.bw", "llvm.x86.avx512.psad.bw.512"
+AVX2, AVX512, SSE2 = "llvm.x86.avx2.psad.bw", "llvm.x86.avx512.psad.bw.512", "llvm.x86.sse2.psad.bw"
 MADD2, MADD512 = "llvm.x86.avx2.pmadd.wd", "llvm.x86.avx512.pmaddw.d.512"
 
 
@@ -106,10 +106,27 @@ def test_square_sums_are_rewritten_with_the_plain_sum_of_their_loop(cls, sums):
 
 
 def test_short_rows_keep_their_te_reduction():
-    """Rows shorter than MIN_ROW measured faster as TE."""
-    for cls in (L1LayerNorm, IntLayerNorm, IntRMSNorm):
+    """Rows shorter than MIN_ROW (loops with squares) or MIN_SAD_ROW (L1's vpsadbw sums)
+    measured faster as TE."""
+    for cls in (IntLayerNorm, IntRMSNorm):
         mod = kernel_for(norm_op(cls, x86_rowsums.MIN_ROW - 1)).mod
         assert x86_rowsums.rewrite(mod, x86(*V4)) is mod, cls.__name__
+    l1 = kernel_for(l1_op(x86_rowsums.MIN_SAD_ROW - 1)).mod
+    assert x86_rowsums.rewrite(l1, x86(*V4)) is l1
+    assert x86_rowsums.rewrite(kernel_for(l1_op(x86_rowsums.MIN_SAD_ROW)).mod, x86(*V4)) is not l1
+
+
+@pytest.mark.parametrize(
+    "n,flags,counts",
+    [(112, V4, {AVX512: 3, AVX2: 3, SSE2: 3}), (112, V3, {AVX2: 3, SSE2: 3}),
+     (96, V4, {AVX512: 3, AVX2: 3, SSE2: 0}), (768, V4, {AVX512: 3, AVX2: 0, SSE2: 0})],  # fmt: skip
+)
+def test_a_remainder_takes_the_narrower_forms_that_fit(n, flags, counts):
+    """After the whole chunks, a 32-byte and a 16-byte ``vpsadbw`` where the remainder
+    holds them (each of L1's three sums once): 112 = 64 + 32 + 16 with AVX-512, 3·32 + 16
+    with AVX2."""
+    script = x86_rowsums.rewrite(kernel_for(l1_op(n)).mod, x86(*flags)).script()
+    assert {name: script.count(f'"{name}"') for name in counts} == counts
 
 
 @pytest.mark.parametrize(
@@ -163,8 +180,9 @@ def test_built_kernel_is_keyed_by_the_rewritten_text():
 
 
 @given(n=st.integers(1, 4100), bits=st.sampled_from([8, 4]), seed=st.integers(0, 2**16))
-@example(n=x86_rowsums.MIN_ROW, bits=8, seed=0)  # whole chunks only
-@example(n=x86_rowsums.MIN_ROW + 33, bits=8, seed=0)  # whole chunks and a tail of 1 (AVX2)
+@example(n=x86_rowsums.MIN_SAD_ROW, bits=8, seed=0)  # whole chunks only
+@example(n=x86_rowsums.MIN_ROW + 33, bits=8, seed=0)  # whole chunks, a 32-byte piece and a tail of 1 (AVX-512)
+@example(n=127, bits=8, seed=0)  # a chunk, both narrower pieces and a tail of 15 (AVX-512)
 @example(n=256, bits=8, seed=0)  # the blocked schedule (16 rows a block), Σx in int16
 @example(n=768, bits=8, seed=0)
 @example(n=4100, bits=8, seed=0)  # tail of 4
@@ -173,7 +191,7 @@ def test_rewritten_l1_kernel_equals_the_golden_op(n, bits, seed):
     needs_avx2_host()
     op = l1_op(n, bits, seed)
     kernel = kernel_for(op)
-    assert (x86_rowsums.rewrite(kernel.mod, host()) is not kernel.mod) == (n >= x86_rowsums.MIN_ROW)
+    assert (x86_rowsums.rewrite(kernel.mod, host()) is not kernel.mod) == (n >= x86_rowsums.MIN_SAD_ROW)
     compiled = kernel.build(host())
     x = extreme_rows(op.in_fmt, n, np.random.default_rng(seed))
     assert np.array_equal(compiled(x), op.forward(x))
@@ -231,7 +249,7 @@ def row_reduction_func(n: int, squares: bool) -> tirx.PrimFunc:
 
 @pytest.mark.parametrize(
     "n,squares",
-    [(x86_rowsums.MIN_ROW, False), (200, False), (1000, False),
+    [(x86_rowsums.MIN_SAD_ROW, False), (200, False), (1000, False), (127, False),
      (x86_rowsums.MIN_ROW, True), (201, True), (65536, True)],  # fmt: skip
 )
 def test_a_row_reduction_alone_is_exact(n, squares):
@@ -249,10 +267,10 @@ def test_a_row_reduction_alone_is_exact(n, squares):
     assert np.array_equal(out.numpy(), (wide**2 if squares else wide).sum(axis=1))
 
 
-def test_any_row_sum_is_exact_far_outside_the_int8_range():
+@pytest.mark.parametrize("n", [200, 240])  # 240: both narrower pieces after the chunks (AVX-512)
+def test_any_row_sum_is_exact_far_outside_the_int8_range(n):
     """t = ⌊S/N⌋ beyond int8 (and t + 1 past 127) takes the clamped path."""
     needs_avx2_host()
-    n = 200
     func = sum_abs_func(n)
     rewritten = x86_rowsums.rewrite(tvm.IRModule({"main": func}), host()).script()
     assert x86_rowsums.sum_form(host()).intrinsic in rewritten

@@ -29,8 +29,12 @@ sums, and each gives the same integers:
   and |τ − τc| added per element: every x then lies on one side of τ, so
   |x − τ| = |x − τc| + |τ − τc|.
 
-A chunk is 32 bytes with AVX2 and 64 with AVX-512BW; the row's tail of N mod (chunk
-bytes) elements is summed as written.
+A chunk is 32 bytes with AVX2 and 64 with AVX-512BW.  After a row's whole chunks, the
+``vpsadbw`` sums take a 32-byte (AVX2) and a 16-byte (SSE2) piece where the remainder
+holds them, so at most 15 elements are summed as written (scalar); Σx² sums its
+remainder of N mod (chunk bytes) as written.  A scalar remainder of 32 elements had made
+L1's kernel slower than its TE form (20480×160 at x86-64-v4, Zen 4: 1,096 against
+805 µs; with the pieces 590 µs).
 
 LLVM does not form these instructions from the TE reductions, and TVM 0.27's
 ``tensorize`` crashes on them, so each reduction's loop is replaced after scheduling
@@ -71,6 +75,10 @@ _FORMS: tuple[tuple[str, int, str, str], ...] = (
     ("avx512bw", 64, "llvm.x86.avx512.psad.bw.512", "llvm.x86.avx512.pmaddw.d.512"),
     ("avx2", 32, "llvm.x86.avx2.psad.bw", "llvm.x86.avx2.pmadd.wd"),
 )
+# The narrower vpsadbw forms every AVX2 target has, (bytes, intrinsic), widest first: a
+# row's remainder after its whole chunks takes each that fits once, so no more than 15
+# elements are left to the scalar tail
+_PIECES: tuple[tuple[int, str], ...] = ((32, "llvm.x86.avx2.psad.bw"), (16, "llvm.x86.sse2.psad.bw"))
 # Rows shorter than this keep the TE reductions.  Whole kernels, rewritten against TE
 # (interleaved runs): 1.13-1.19x at N = 768, 1.24x at 4096, 1.11x at 256,
 # 1.02-1.04x at 128; at 64, where the blocked schedule of short rows (16 rows a
@@ -79,8 +87,20 @@ _FORMS: tuple[tuple[str, int, str, str], ...] = (
 # (the TE one 0.92-0.99x and 0.87-0.89x).  The vpmaddwd Σx² (with Σx): IntLayerNorm
 # 2.95x -> 3.30x torch's float LayerNorm at 4096x768 and 2.84x -> 3.41x at 1024x4096
 # (make bench, before and after); at 64 it measured 1.04x (IntLayerNorm) and 1.00x
-# (IntRMSNorm) against TE, within the noise, so those rows keep TE too.
+# (IntRMSNorm) against TE, within the noise, so those rows keep TE too.  That holds for
+# every loop with a Σx²; on the Zen 4 host (AMD EPYC, interleaved) IntLayerNorm's fused
+# loop measured 0.96x at 64 and at 96 at x86-64-v4.
 MIN_ROW = 128
+# Rows shorter than this keep L1's TE reductions (its vpsadbw sums, with the narrower
+# pieces).  Zen 4 host, interleaved against TE, whole kernels: 1.13-1.14x at 64, 1.08x
+# at 96, 1.36x at 160 at x86-64-v4; 1.02x, 1.07x, 1.23x at x86-64-v3; at 32 and 48 even
+# at v4 and 0.92x at v3.
+MIN_SAD_ROW = 64
+
+
+def _min_row(m: _RowSum) -> int:
+    """The shortest row whose sum ``m`` is rewritten."""
+    return MIN_ROW if m.kind == SQUARES else MIN_SAD_ROW
 
 
 @dataclass(frozen=True)
@@ -143,7 +163,7 @@ def rewrite_func(func: tirx.PrimFunc, form: SumForm) -> tirx.PrimFunc:
     def mutate(node: Any, mutator: tvm_ffi.StructuralMutator) -> Any:
         if isinstance(node, tirx.For):
             found = _match(node)
-            if found and all(m.n >= max(MIN_ROW, form.chunk) and _supported(m) for m in found):
+            if found and all(m.n >= _min_row(m) and _supported(m) for m in found):
                 hits.extend(found)
                 blocks = [_sad_realize(m, form) for m in found]
                 return blocks[0] if len(blocks) == 1 else tirx.SeqStmt(blocks)
@@ -432,15 +452,36 @@ def _sad_sums(
     ]
     totals = [
         tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
+        + sum((_piece_sad(m, r, start, width, name, tc) for start, width, name in _pieces(m, form)), tirx.const(0, i64))
         + covered * _absdiff(tau, tc)
-        for buf, tau, tc in zip(sums, taus, clamped, strict=True)
+        for tau, tc, buf in zip(taus, clamped, sums, strict=True)
     ]
     return steps, totals, tail[0], [*sums, tail]
 
 
+def _pieces(m: _RowSum, form: SumForm) -> list[tuple[int, int, str]]:
+    """(first column, bytes, intrinsic) of each narrower ``vpsadbw`` after the whole chunks."""
+    start, found = m.n // form.chunk * form.chunk, []
+    for width, name in _PIECES:
+        if width < form.chunk and m.n - start >= width:
+            found.append((start, width, name))
+            start += width
+    return found
+
+
+def _piece_sad(m: _RowSum, r: tirx.Var, start: int, width: int, intrinsic: str, tau: Any) -> Any:
+    """Σ|x − τ| over ``width`` columns from ``start`` as one narrower ``vpsadbw`` (int64)."""
+    piece = m.x[r, tirx.Ramp(tirx.const(start, "int32"), tirx.const(1, "int32"), width)]
+    flipped = tirx.reinterpret(f"uint8x{width}", piece) ^ tirx.Broadcast(tirx.const(128, "uint8"), width)
+    byte = tirx.Broadcast((tau + tirx.const(128, "int64")).astype("uint8"), width)
+    lanes = width * 8 // _LANE_BITS
+    sad = tirx.call_llvm_pure_intrin(f"int64x{lanes}", intrinsic, flipped, byte)
+    return tirx.call_llvm_pure_intrin("int64", f"llvm.vector.reduce.add.v{lanes}i64", sad)
+
+
 def _covered(m: _RowSum, form: SumForm) -> Any:
-    """How many elements of a row the whole chunks hold (int64)."""
-    return tirx.const(m.n // form.chunk * form.chunk, "int64")
+    """How many elements of a row the whole chunks and the narrower pieces hold (int64)."""
+    return tirx.const(m.n // form.chunk * form.chunk + sum(w for _, w, _ in _pieces(m, form)), "int64")
 
 
 def _accumulate(m: _RowSum, r: tirx.Var, total: Any) -> tirx.BufferStore:
@@ -467,7 +508,7 @@ def _chunk_loop(m: _RowSum, form: SumForm, r: tirx.Var, sums: list[Any], taus: l
 
 
 def _tail_loop(m: _RowSum, r: tirx.Var, start: Any, tail: Any, term: Callable[[Any], Any]) -> tirx.For:
-    """``tail += term(int64(x))`` over the columns after the last whole chunk."""
+    """``tail += term(int64(x))`` over the columns after the last whole chunk and piece."""
     k = tirx.Var("k", "int32")
     first = int(start)
     return tirx.For(
