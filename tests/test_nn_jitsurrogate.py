@@ -170,3 +170,24 @@ def test_an_empty_batch_has_zero_gradients(kind):
     x = torch.zeros(0, 8, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad.shape == (0, 8) and not bool(layer.weight.grad.any())
+
+
+@pytest.mark.parametrize("kind", ["l1", "rms"])
+def test_an_input_changed_in_place_before_the_backward_is_refused(kind):
+    """An IntQuantTensor's values are the caller's tensor, which the backward reads again:
+    changed in place after the forward, the backward raises (as torch's saved tensors do)
+    instead of forming another gradient."""
+    pytest.importorskip("brevitas")
+    from brevitas.quant_tensor import IntQuantTensor
+
+    scale = 2.0**-5
+    layer = make_layer(kind, 8, 1e-5, True, True, torch.float32, in_fmt=QFormat(8, scale))
+    value = (torch.randint(-100, 100, (4, 8)).float() * scale).requires_grad_()
+    inner = value * 1.0  # a non-leaf, so it may be changed in place
+    qt = IntQuantTensor(inner, torch.tensor(scale), torch.tensor(0.0), torch.tensor(8.0), True, False)
+    y = layer(qt)
+    assert type(y.grad_fn).__name__ == COMPILED
+    with torch.no_grad():
+        inner.add_(scale)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()

@@ -20,7 +20,9 @@ row (a compiled loop over the rows), and the backward's loop forms the normalize
 
 Sums are in float64, so the results are the torch graphs' gradients up to float
 rounding, not bit for bit (``tests/test_nn_jitsurrogate.py`` holds them to the float64
-VJP by autograd); ``y`` is evaluated in float64 for the clip.  ``mean(t)`` is formed
+VJP by autograd); ``y`` is evaluated in float64 for the clip (a y within an ulp or two
+of a bound may be clipped where the torch graph keeps it, or the reverse, as between any
+two float evaluations of it; the loops' products may be reassociated).  ``mean(t)`` is formed
 from the first pass's sums, ``(Σ g'·γ − (c/N)·Σ(g'·γ·u)·Σ sign(u)) / (N·D)``, so the
 second pass writes ∂x directly.  Nothing of size rows × N is kept between forward and
 backward but the dequantized input itself (u in float64 would be twice its size, and
@@ -131,7 +133,9 @@ class _CompiledSurrogate(torch.autograd.Function):
     def forward(ctx: Any, form: _Form, exact: torch.Tensor, dequant: torch.Tensor, mask: torch.Tensor | None,
                 eps: float, lo: float, hi: float, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        held = dequant.detach().contiguous()  # the quantizer's own output: nothing writes to it
+        # the backward forms u from these values again; an IntQuantTensor's are the caller's
+        # tensor, so its version is kept to refuse an in-place change (as torch's saved tensors do)
+        held = dequant.detach().contiguous()
         rows = held.numpy().reshape(-1, dequant.shape[-1])
         center, factor = form.forward(rows, eps)
         # γ and β as the forward saw them (the torch graph saves them too)
@@ -141,13 +145,18 @@ class _CompiledSurrogate(torch.autograd.Function):
         stand_in = np.ones((1, 1), dtype=rows.dtype)
         ctx.saved = (held, rows, center, factor, _Clip(gamma, beta, lo, hi),
                      stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))  # fmt: skip
-        ctx.form, ctx.masked, ctx.shape = form, mask is not None, x.shape
+        ctx.form, ctx.masked, ctx.shape, ctx.version = form, mask is not None, x.shape, held._version
         return exact
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        _, rows, center, factor, clip, mask = ctx.saved
+        held, rows, center, factor, clip, mask = ctx.saved
+        if held._version != ctx.version:
+            raise RuntimeError(
+                "the norm layer's input was modified in place between its forward and backward; "
+                "its surrogate gradient needs the values the forward saw"
+            )
         g = grad.contiguous().numpy().reshape(rows.shape)
         gx, gw, gb = ctx.form.backward(g, rows, center, factor, clip, mask, ctx.masked)
         needs = ctx.needs_input_grad  # form, exact, dequant, mask, eps, lo, hi, x, weight, bias
@@ -203,7 +212,7 @@ def _rms_backward(g, x, r, gamma, beta, lo, hi, mask, masked, prefix):  # noqa: 
     for i in range(rows):
         dot = 0.0
         for j in range(n):
-            uu = (x[i, j] - 0.0) * r[i]
+            uu = np.float64(x[i, j]) * r[i]
             y = np.float64(gamma[j]) * uu + beta[j]
             kept = np.float64(g[i, j]) if (y >= lo and y <= hi) else 0.0
             u[j], gy[j] = uu, kept
