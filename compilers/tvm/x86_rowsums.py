@@ -450,9 +450,10 @@ def _sad_sums(
         _chunk_loop(m, form, r, sums, clamped, lanes),
         _tail_loop(m, r, covered, tail, tail_term),
     ]
+    pieces = _pieces(m, form)
     totals = [
         tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
-        + sum((_piece_sad(m, r, start, width, name, tc) for start, width, name in _pieces(m, form)), tirx.const(0, i64))
+        + sum((_piece_sad(m, r, start, width, name, tc) for start, width, name in pieces), tirx.const(0, i64))
         + covered * _absdiff(tau, tc)
         for tau, tc, buf in zip(taus, clamped, sums, strict=True)
     ]
@@ -471,12 +472,20 @@ def _pieces(m: _RowSum, form: SumForm) -> list[tuple[int, int, str]]:
 
 def _piece_sad(m: _RowSum, r: tirx.Var, start: int, width: int, intrinsic: str, tau: Any) -> Any:
     """Σ|x − τ| over ``width`` columns from ``start`` as one narrower ``vpsadbw`` (int64)."""
-    piece = m.x[r, tirx.Ramp(tirx.const(start, "int32"), tirx.const(1, "int32"), width)]
-    flipped = tirx.reinterpret(f"uint8x{width}", piece) ^ tirx.Broadcast(tirx.const(128, "uint8"), width)
+    sad = _sad(_flipped(m, r, tirx.const(start, "int32"), width), tau, width, intrinsic)
+    return tirx.call_llvm_pure_intrin("int64", f"llvm.vector.reduce.add.v{width * 8 // _LANE_BITS}i64", sad)
+
+
+def _flipped(m: _RowSum, r: tirx.Var, start: Any, width: int) -> Any:
+    """``width`` int8 columns of row ``r`` from ``start`` as unsigned bytes, x ^ 0x80 = x + 128."""
+    columns = m.x[r, tirx.Ramp(start, tirx.const(1, "int32"), width)]
+    return tirx.reinterpret(f"uint8x{width}", columns) ^ tirx.Broadcast(tirx.const(128, "uint8"), width)
+
+
+def _sad(flipped: Any, tau: Any, width: int, intrinsic: str) -> Any:
+    """``vpsadbw(flipped, τ + 128)``: Σ|x − τ| per 8 bytes, in 64-bit lanes (τ within int8)."""
     byte = tirx.Broadcast((tau + tirx.const(128, "int64")).astype("uint8"), width)
-    lanes = width * 8 // _LANE_BITS
-    sad = tirx.call_llvm_pure_intrin(f"int64x{lanes}", intrinsic, flipped, byte)
-    return tirx.call_llvm_pure_intrin("int64", f"llvm.vector.reduce.add.v{lanes}i64", sad)
+    return tirx.call_llvm_pure_intrin(f"int64x{width * 8 // _LANE_BITS}", intrinsic, flipped, byte)
 
 
 def _covered(m: _RowSum, form: SumForm) -> Any:
@@ -496,13 +505,10 @@ def _chunk_loop(m: _RowSum, form: SumForm, r: tirx.Var, sums: list[Any], taus: l
     """``sums[i] += vpsadbw(x ^ 0x80, taus[i] + 128)`` over the row's whole chunks."""
     w = form.chunk
     j = tirx.Var("j", "int32")
-    chunk = m.x[r, tirx.Ramp(j * w, tirx.const(1, "int32"), w)]
-    flipped = tirx.reinterpret(f"uint8x{w}", chunk) ^ tirx.Broadcast(tirx.const(128, "uint8"), w)
+    flipped = _flipped(m, r, j * w, w)
     steps = []
     for buf, tau in zip(sums, taus, strict=True):
-        byte = tirx.Broadcast((tau + tirx.const(128, "int64")).astype("uint8"), w)
-        sad = tirx.call_llvm_pure_intrin(f"int64x{form.lanes}", form.intrinsic, flipped, byte)
-        steps.append(tirx.BufferStore(buf, buf[lanes] + sad, [lanes]))
+        steps.append(tirx.BufferStore(buf, buf[lanes] + _sad(flipped, tau, w, form.intrinsic), [lanes]))
     body = steps[0] if len(steps) == 1 else tirx.SeqStmt(steps)
     return tirx.For(j, tirx.const(0, "int32"), tirx.const(m.n // w, "int32"), tirx.ForKind.SERIAL, body)
 
