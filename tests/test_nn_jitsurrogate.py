@@ -189,5 +189,5 @@ def test_an_input_changed_in_place_before_the_backward_is_refused(kind):
     assert type(y.grad_fn).__name__ == COMPILED
     with torch.no_grad():
         inner.add_(scale)
-    with pytest.raises(RuntimeError, match="modified in place"):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()

@@ -71,18 +71,20 @@ _REDUCE = 2  # IterVar.iter_type of a reduction axis
 _LANE_BITS = 64  # vpsadbw sums each 8 bytes into one 64-bit lane
 # (CPU feature, chunk bytes, the vpsadbw and vpmaddwd intrinsics), widest first; a
 # target uses the first it has
+_AVX2_SAD = "llvm.x86.avx2.psad.bw"
 _FORMS: tuple[tuple[str, int, str, str], ...] = (
     ("avx512bw", 64, "llvm.x86.avx512.psad.bw.512", "llvm.x86.avx512.pmaddw.d.512"),
-    ("avx2", 32, "llvm.x86.avx2.psad.bw", "llvm.x86.avx2.pmadd.wd"),
+    ("avx2", 32, _AVX2_SAD, "llvm.x86.avx2.pmadd.wd"),
 )
 # The narrower vpsadbw forms every AVX2 target has, (bytes, intrinsic), widest first: a
 # row's remainder after its whole chunks takes each that fits once, so no more than 15
 # elements are left to the scalar tail
-_PIECES: tuple[tuple[int, str], ...] = ((32, "llvm.x86.avx2.psad.bw"), (16, "llvm.x86.sse2.psad.bw"))
-# Rows shorter than this keep the TE reductions.  Whole kernels, rewritten against TE
-# (interleaved runs): 1.13-1.19x at N = 768, 1.24x at 4096, 1.11x at 256,
-# 1.02-1.04x at 128; at 64, where the blocked schedule of short rows (16 rows a
-# block, compilers.tvm.cpu) already keeps the TE passes cheap, 0.96-0.98x.  Against
+_PIECES: tuple[tuple[int, str], ...] = ((32, _AVX2_SAD), (16, "llvm.x86.sse2.psad.bw"))
+# Rows shorter than this keep the TE reductions of a loop with a Σx² (L1's sums:
+# MIN_SAD_ROW below).  First measured for L1 on the AVX2 host (Zen 3), whole kernels
+# rewritten against TE, interleaved: 1.13-1.19x at N = 768, 1.24x at 4096, 1.11x at 256,
+# 1.02-1.04x at 128; at 64, where the blocked schedule of short rows (16 rows a block,
+# compilers.tvm.cpu) kept the TE passes cheap, 0.96-0.98x then (before the pieces).  Against
 # IntLayerNorm the rewritten L1 kernel ran 1.10-1.12x at 768 and 1.08-1.11x at 4096
 # (the TE one 0.92-0.99x and 0.87-0.89x).  The vpmaddwd Σx² (with Σx): IntLayerNorm
 # 2.95x -> 3.30x torch's float LayerNorm at 4096x768 and 2.84x -> 3.41x at 1024x4096
@@ -455,7 +457,7 @@ def _sad_sums(
         tirx.call_llvm_pure_intrin(i64, f"llvm.vector.reduce.add.v{form.lanes}i64", buf[lanes])
         + sum((_piece_sad(m, r, start, width, name, tc) for start, width, name in pieces), tirx.const(0, i64))
         + covered * _absdiff(tau, tc)
-        for tau, tc, buf in zip(taus, clamped, sums, strict=True)
+        for buf, tau, tc in zip(sums, taus, clamped, strict=True)
     ]
     return steps, totals, tail[0], [*sums, tail]
 

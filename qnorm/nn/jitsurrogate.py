@@ -134,8 +134,10 @@ class _CompiledSurrogate(torch.autograd.Function):
                 eps: float, lo: float, hi: float, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         # the backward forms u from these values again; an IntQuantTensor's are the caller's
-        # tensor, so its version is kept to refuse an in-place change (as torch's saved tensors do)
+        # tensor, so it is saved as torch saves a graph's tensors: changed in place, the
+        # backward raises instead of reading other values
         held = dequant.detach().contiguous()
+        ctx.save_for_backward(held)
         rows = held.numpy().reshape(-1, dequant.shape[-1])
         center, factor = form.forward(rows, eps)
         # γ and β as the forward saw them (the torch graph saves them too)
@@ -143,20 +145,17 @@ class _CompiledSurrogate(torch.autograd.Function):
         beta = np.zeros(rows.shape[1], dtype=rows.dtype) if bias is None else bias.detach().numpy().copy()
         # no mask (IntQuantTensor input): a 1×1 stand-in the backward does not read
         stand_in = np.ones((1, 1), dtype=rows.dtype)
-        ctx.saved = (held, rows, center, factor, _Clip(gamma, beta, lo, hi),
+        ctx.saved = (center, factor, _Clip(gamma, beta, lo, hi),
                      stand_in if mask is None else mask.contiguous().numpy().reshape(rows.shape))  # fmt: skip
-        ctx.form, ctx.masked, ctx.shape, ctx.version = form, mask is not None, x.shape, held._version
+        ctx.form, ctx.masked, ctx.shape = form, mask is not None, x.shape
         return exact
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        held, rows, center, factor, clip, mask = ctx.saved
-        if held._version != ctx.version:
-            raise RuntimeError(
-                "the norm layer's input was modified in place between its forward and backward; "
-                "its surrogate gradient needs the values the forward saw"
-            )
+        (held,) = ctx.saved_tensors  # torch checks here that it was not changed in place
+        center, factor, clip, mask = ctx.saved
+        rows = held.numpy().reshape(-1, held.shape[-1])
         g = grad.contiguous().numpy().reshape(rows.shape)
         gx, gw, gb = ctx.form.backward(g, rows, center, factor, clip, mask, ctx.masked)
         needs = ctx.needs_input_grad  # form, exact, dequant, mask, eps, lo, hi, x, weight, bias
