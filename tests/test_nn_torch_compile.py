@@ -3,6 +3,8 @@ integers: every integer step of their bodies must be one Inductor can generate (
 vectorized code could not widen ``torch.frexp``'s int32 exponent, which the row
 bit-length once used)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -62,3 +64,19 @@ def test_a_compiled_layer_does_not_recompile_for_each_batch_range() -> None:
             for scale in (0.5, 1.5, 2.0, 3.0):
                 x = torch.randn(4, 16, generator=gen) * scale
                 assert torch.equal(compiled(x), layer(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [lambda: qn.IntGELU(), lambda: qn.IntSiLU()], ids=["IntGELU", "IntSiLU"])
+def test_a_compiled_activation_looks_its_op_up_instead_of_tracing_the_cache(make) -> None:
+    """The golden op is fetched outside the graph: Dynamo once traced through the ops
+    layer's ``lru_cache`` (and warned that it ignores the cache wrapper)."""
+    torch._dynamo.reset()
+    layer = calibrated(make(), 16)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4), requires_grad=True) * 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(layer)(x)
+        got.sum().backward()
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    assert torch.equal(got, layer(x))

@@ -37,6 +37,15 @@ from qnorm.qformat import QFormat
 DEFAULT_OUT = QFormat.power_of_two(8, -4)  # int8 over [-8, 8): GELU/SiLU of normalized inputs
 
 
+# Under torch.compile the op is looked up, not traced: Dynamo would trace past the
+# ops layer's cache into the derivation (and warn that it skips the cache).
+@torch.compiler.disable
+def _op(
+    op_cls: type[ops.IntActivation], in_fmt: QFormat, out_fmt: QFormat, rounding: Round, algorithm: str | None
+) -> ops.IntActivation:
+    return op_cls.of(in_fmt, out_fmt, rounding, algorithm)
+
+
 class IntActivation(QATModule):
     """What the activation layers share; a subclass names its golden op and float op."""
 
@@ -67,7 +76,7 @@ class IntActivation(QATModule):
 
     def golden(self, in_fmt: QFormat | None = None) -> ops.IntActivation:
         """The golden op for the input format (default: the quantizer's current one)."""
-        return self.op_cls.of(self.input_format(in_fmt), self.out_fmt, self.rounding, self.algorithm)
+        return _op(self.op_cls, self.input_format(in_fmt), self.out_fmt, self.rounding, self.algorithm)
 
     def quantize_input(self, x: torch.Tensor | Any) -> QuantizedInput:
         return self.input_quant(x)  # any shape: there is no channel axis to check
