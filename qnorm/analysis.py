@@ -284,7 +284,11 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "centered": lambda op, rep: _product(rep, "N·x (in centered)", Interval.point(op.config.n), _in_interval(op)),
     "sum_sq": lambda op, rep: _square("x·x (in sum_sq)", _in_interval(op)),
     "n_sum_sq": lambda op, rep: _product(rep, "N·sum_sq", Interval.point(op.config.n), rep["sum_sq"], "n_sum_sq"),
-    "sum_squared": lambda op, rep: _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared"),
+    # (Σx)² in two products (qnorm.ops.layernorm.square_of_sum): h·(S + l) and l·l
+    "square_high": lambda op, rep: _product(
+        rep, "sum_high·(sum + sum_low)", rep["sum_high"], rep["sum"] + rep["sum_low"], "square_high"
+    ),
+    "square_low": lambda op, rep: _product(rep, "sum_low·sum_low", rep["sum_low"], rep["sum_low"], "square_low"),
     # the per-row multiplier N·r and offset round(Σx·a/N) = a·floor(Σx/N) + round(D·a/N), D < N
     "mult": lambda op, rep: _product(
         rep, f"N·{op.inverse_name}", Interval.point(op.config.num_mult), rep[op.inverse_name], "mult"

@@ -33,7 +33,7 @@ from qnorm.verify.backends import refuse_beyond_limits
 from qnorm.verify.cases import CASES, case_named
 from qnorm.verify.vectors import golden_inputs
 
-REFUSED_ON_HLS = "int_layernorm.int16.n48"
+SQUARED_IN_TWO_ON_HLS = "int_layernorm.int16.n48"
 # int16 probabilities need 30-bit exp table digits: their product passes the 48-bit accumulator
 SOFTMAX_REFUSED_ON_HLS = "softmax.int16.n64"
 FAMILY_CASES = (
@@ -65,7 +65,7 @@ def fake_target(tmp_path: Path, accumulator_bits: int, multiplier_bits: int, nam
 # --------------------------------------------------------------------------- shipped targets
 
 
-def test_fpga_hls_refuses_exactly_the_wide_product_case() -> None:
+def test_fpga_hls_refuses_exactly_the_int16_softmax_case() -> None:
     hls = load_target("fpga-hls")
     refused = {}
     for case in CASES:
@@ -73,17 +73,26 @@ def test_fpga_hls_refuses_exactly_the_wide_product_case() -> None:
             check_target(case.build(), hls)
         except TargetLimitError as err:
             refused[case.name] = str(err)
-    assert list(refused) == [REFUSED_ON_HLS, SOFTMAX_REFUSED_ON_HLS]
-    assert "'exp_product' spans [0, 1152921504606846976], which needs 62 bits" in refused[SOFTMAX_REFUSED_ON_HLS]
-    message = refused[REFUSED_ON_HLS]
+    assert list(refused) == [SOFTMAX_REFUSED_ON_HLS]
+    message = refused[SOFTMAX_REFUSED_ON_HLS]
     for part in (
-        "int_layernorm cannot run exactly on fpga-hls",
+        "softmax cannot run exactly on fpga-hls",
         "fpga-hls.toml",
-        "product 'sum_squared = sum·sum'",
-        "[-1572864, 1572816] (22 bits)",
-        "at most 18 bits on its narrow side (hardware.multiplier_bits)",
+        "'exp_product' spans [0, 1152921504606846976], which needs 62 bits",
     ):
         assert part in message
+
+
+def test_a_sum_wider_than_the_dsp_port_is_squared_in_two_products() -> None:
+    """Σx of int16 rows of 48 spans 22 bits: S·S was beyond the DSP48's 18-bit port on
+    both sides (refused on fpga-hls).  Squared as h·(S + l)·2^18 + l², the narrower
+    operand of each product is h (4 bits) or l (18), and the op runs there."""
+    op = case_named(SQUARED_IN_TWO_ON_HLS).build()
+    rep = check_target(op, load_target("fpga-hls"))
+    assert rep["sum"].bits == 22
+    square = {p.intermediate: p for p in products(op) if p.intermediate in ("square_high", "square_low")}
+    assert (square["square_high"].narrow_bits, square["square_low"].narrow_bits) == (4, 18)
+    assert max(p.narrow_bits for p in products(op)) <= 18
 
 
 @pytest.mark.parametrize("name", ["x86_64", "aarch64", "riscv64", "opencl"])
@@ -101,7 +110,7 @@ def test_a_narrow_accumulator_refuses_the_row_statistic(tmp_path) -> None:
         check_target(case_named("int_layernorm.int8.n64").build(), fake_target(tmp_path, 32, 16))
     message = str(err.value)
     assert "int_layernorm cannot run exactly on tight" in message
-    assert "intermediate 'stat' spans [67109, 272734684709], which needs 39 bits" in message
+    assert "intermediate 'stat' spans [16777, 68183671177], which needs 37 bits" in message
     assert "the target's 32-bit accumulator holds 31 (hardware.accumulator_bits" in message
 
 
@@ -139,7 +148,7 @@ def test_multiplier_boundary_is_the_narrower_operand(tmp_path) -> None:
     op = case_named("int_layernorm.int8.n768").build()
     assert op.ranges()["sum"].bits == 18
     check_target(op, fake_target(tmp_path, 48, 18, "fits"))
-    with pytest.raises(TargetLimitError, match=r"product 'sum_squared = sum·sum' .* at most 17 bits"):
+    with pytest.raises(TargetLimitError, match=r"product 'square_low = sum_low·sum_low' .* at most 17 bits"):
         check_target(op, fake_target(tmp_path, 48, 17, "short"))
 
 
@@ -192,14 +201,15 @@ def test_product_tables_cover_the_families() -> None:
     assert labels["int_layernorm"] == [
         "x·x (in sum_sq)",
         "n_sum_sq = N·sum_sq",
-        "sum_squared = sum·sum",
+        "square_high = sum_high·(sum + sum_low)",
+        "square_low = sum_low·sum_low",
         "mult = N·rsqrt",
         "offset = mult·mean (in offset)",
         "xa = x·mult",
         "scaled = zc·gain",
     ]
     assert labels["shift_layernorm"] == [  # scales by shifts: no zc·gain
-        *labels["int_layernorm"][:3],
+        *labels["int_layernorm"][:4],
         "mult = N·rsqrt_pow2",
         "offset = mult·mean (in offset)",
         "xa = x·mult",
@@ -242,13 +252,13 @@ def test_verify_shows_a_refusal_with_its_reason_and_does_not_fail(monkeypatch) -
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not on PATH: the fpga-hls column is unavailable")
     monkeypatch.setattr(harness, "run_batches", lambda case, elements, seed: iter(()))  # stored vectors only
-    report = harness.verify([case_named(REFUSED_ON_HLS)], ["golden", "qat", "fpga-hls"], elements=0)
+    report = harness.verify([case_named(SOFTMAX_REFUSED_ON_HLS)], ["golden", "qat", "fpga-hls"], elements=0)
     cell = report.cases[0].cells["fpga-hls"]
     assert cell.status == harness.REFUSED and cell.vectors == 0
-    assert cell.reason.startswith("int_layernorm cannot run exactly on fpga-hls")
+    assert cell.reason.startswith("softmax cannot run exactly on fpga-hls")
     assert report.ok and not report.failures
     text = report.matrix()
-    assert "refused fpga-hls: int_layernorm cannot run exactly" in text
+    assert "refused fpga-hls: softmax cannot run exactly" in text
     assert "1 refused by target limits" in text.splitlines()[-1]
 
 

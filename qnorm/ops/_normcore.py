@@ -15,9 +15,12 @@ stages; only stage 1 and the per-row inverse in stage 2 differ between them.
        W = S · 2^(p·g) + ε_int,   ε_int = round(ε_S · 2^(p·g))
 
    ``g`` (``eps_shift``, chosen per config by :func:`eps_guard_bits`) is the
-   smallest with ``ε_int >= 2^EPS_RESOLUTION_BITS`` (ε's relative error then
-   <= 2^-17), lowered while the range analysis would refuse it, and 0 when ε = 0
-   or ε_S is already that large.  The numerator's pre-scale grows by g to
+   smallest with ``(S_min + ε_S)·2^(p·g) >= 2^EPS_RESOLUTION_BITS``, S_min the
+   least non-zero statistic of a row whose output ε moves (``_stat_floor``: N − 1
+   for the variance, 2(N − 1) for L1's, 1 for Σx², 0 for a partial Σx² whose
+   zero prefix leaves the other elements non-zero): ε's rounding then moves W by
+   at most 2^-17 of itself.  It is lowered while the range analysis would refuse
+   it, and 0 when ε = 0 or ε is already that fine.  The numerator's pre-scale grows by g to
    compensate (stage 3), so z is unchanged except for the finer ε.  The extra
    low bits of W cost nothing after stage 2 (the mantissa split keeps a fixed
    width); only W itself is p·g bits wider.
@@ -103,15 +106,20 @@ EPS_RESOLUTION_BITS = 16
 # target shares (x86/Arm/RISC-V int32 vector lanes, GPU int32, a DSP48's ports);
 # 64 is the wide datapath (int16 inputs), a named choice.
 LANES = (32, 64)
+# The narrow datapath's per-row statistic W fits a DSP48's 48-bit accumulator, less the
+# rounding bit every accumulator keeps: ε's guard bits stop there (eps_guard_bits).
+NARROW_ROW_BITS = 47
 # The per-element intermediates, in evaluation order: what ``lanes`` bounds.
 ELEMENT_STAGES = ("xa", "z", "zc", "scaled", "acc", "y", "out")
-# The definition's version, recorded with checkpoints and golden vectors: 2 is the
-# narrow-lane form (per-row multiplier and offset, clamped output window).
-DEFINITION_VERSION = 2
+# The definition's version, recorded with checkpoints and golden vectors (what each
+# changed: DEFINITION_NOTES).
+DEFINITION_VERSION = 3
 # What each version changed (refusals of stored integers say it).
 DEFINITION_NOTES = {
     2: "narrow lanes: the per-row inverse is folded into a multiplier and offset of the raw input, "
     "and the output stage runs in a clamped per-channel window",
+    3: "eps guard bits sized against the least non-zero statistic, not eps alone: the statistic "
+    "plus eps stays within a 48-bit accumulator for int4/int8 rows",
 }
 # Gain multiplier widths: 16 bits for outputs of up to 8 bits (a gain LSB moves
 # an int8 output by < 2^-8 LSB), 24 above.
@@ -374,25 +382,31 @@ def round_scaled(q: Fraction, shift: int) -> int:
     return ((q.numerator << (shift + 1)) + d) // (d << 1)
 
 
-def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int) -> int:
+def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int, stat_floor: int = 0, stat_bits: int = 63) -> int:
     """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
 
-    The smallest g >= 0 with ε_S 2^(p g) >= 2^EPS_RESOLUTION_BITS — 0 when ε = 0 —
-    lowered until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits the 63-bit
-    check (< 2^62).  The op's full range analysis may lower it further
-    (:meth:`NormOp.channel_rule`).  In integers (ε_S = n / d): the smallest k >= 0 with
-    ``n 2^k >= d 2^EPS_RESOLUTION_BITS``, then g = ceil(k / p).
+    ε's rounding moves W by at most 1/2; g makes that at most 2^-(EPS_RESOLUTION_BITS+1)
+    of W for every row whose output depends on it.  Those rows have S >= ``stat_floor``
+    (the op's :meth:`NormOp._stat_floor`: its least non-zero statistic, or 0 where a zero
+    statistic leaves non-zero numerators), so g is the smallest >= 0 with
+    ``(stat_floor + ε_S)·2^(p g) >= 2^EPS_RESOLUTION_BITS`` — 0 when ε = 0 —, lowered
+    until W's largest value, ``stat_hi·2^(p g) + ε_int``, fits ``stat_bits`` signed bits
+    (63, or the narrow datapath's :data:`NARROW_ROW_BITS`).  The op's full range
+    analysis may lower it further
+    (:meth:`NormOp.channel_rule`).  In integers (stat_floor + ε_S = n / d): the smallest
+    k >= 0 with ``n 2^k >= d 2^EPS_RESOLUTION_BITS``, then g = ceil(k / p).
     """
     if eps_s <= 0:
         return 0
-    n, d = eps_s.numerator, eps_s.denominator
+    d = eps_s.denominator
+    n = eps_s.numerator + stat_floor * d
     need = d << EPS_RESOLUTION_BITS
     # with a, b the bit lengths of n and need, n 2^(b−a−1) < 2^(b−1) <= need <= n 2^(b−a+1):
     # k is b − a or one more (0 when b < a: then n > need)
     k = max(need.bit_length() - n.bit_length(), 0)
     k = k + 1 if n << k < need else k
     g = min(-(-k // p), 61 // p)
-    while g > 0 and (stat_hi << (p * g)) + round_scaled(eps_s, p * g) >= 1 << 62:
+    while g > 0 and (stat_hi << (p * g)) + round_scaled(eps_s, p * g) >= 1 << (stat_bits - 1):
         g -= 1
     return g
 
@@ -841,7 +855,8 @@ def _cached_structure(op_cls: type[NormOp], types: Any, args: tuple[Any, ...]) -
         return cfg
     eps_s = cfg.eps_exact(eps)
     stat_hi = op_cls._raw_stat_hi(cfg)
-    g = eps_guard_bits(eps_s, stat_hi, cfg.p)
+    row_bits = NARROW_ROW_BITS if cfg.lanes == LANES[0] else 63
+    g = eps_guard_bits(eps_s, stat_hi, cfg.p, op_cls._stat_floor(cfg), row_bits)
     while True:
         # ε_S >= 0 (ε >= 0 was checked) and 0 <= g <= 61 // p (eps_guard_bits): both valid
         cfg = derived_config(cfg, eps=round_scaled(eps_s, cfg.p * g), eps_shift=g)
@@ -1141,6 +1156,14 @@ class NormOp(IntOp):
         return ChannelRule(
             cls, key, eps, frac_bits, mult_bits, max_shift, base.gain_factor(), out_fmt.scale, base.inv_frac_bits
         )
+
+    @classmethod
+    def _stat_floor(cls, cfg: NormConfig) -> int:
+        """The least non-zero statistic S of a row whose outputs depend on ε (ε's guard
+        bits make its rounding small against it: :func:`eps_guard_bits`).  0, the
+        safe answer, unless an op knows better: a row whose statistic is 0 must then
+        have every numerator 0."""
+        return 0
 
     @classmethod
     def _raw_stat_hi(cls, cfg: NormConfig) -> int:

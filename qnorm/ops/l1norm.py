@@ -108,6 +108,13 @@ class L1LayerNorm(NormOp):
         return record(trace, "sum_abs", row_sum(absolute(d))), s
 
     @classmethod
+    def _stat_floor(cls, cfg: NormConfig) -> int:
+        """A's least non-zero value: a row that is not constant, k elements apart from
+        the rest, has A >= 2k (N − k) >= 2 (N − 1), reached by one element one LSB off;
+        a constant row has A = 0 and every d_i = 0."""
+        return 2 * (cfg.n - 1)
+
+    @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
         """|d_i| <= A/2 and |d_i| <= D = (N−1)(hi − lo); both reached together by
         [lo, hi, …, hi]."""

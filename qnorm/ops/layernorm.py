@@ -46,6 +46,9 @@ from qnorm.ops.base import Trace, record
 
 # fixedpoint.rsqrt forms 2^(2 F_r) in int64, so F_r = mant_bits/2 + inv_bits <= 30.
 MAX_RSQRT_FRAC = 30
+# (Σx)² is formed from S = h·2^k + l with −2^(k−1) <= l < 2^(k−1) (:func:`square_of_sum`):
+# l fits the narrowest multiplier port of the targets, a DSP48's 18-bit signed one.
+SQUARE_SPLIT_BITS = 18
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,25 @@ def variance(x: Any, s: Any, n: int, trace: Trace | None) -> Any:
     """V = N Σx² − (Σx)² (exact; ε is added by ``_normcore.add_eps``)."""
     q = record(trace, "sum_sq", row_sum(x * x))
     nq = record(trace, "n_sum_sq", n * q)
-    ss = record(trace, "sum_squared", s * s)
-    return record(trace, "var", nq - ss)
+    return record(trace, "var", nq - square_of_sum(s, trace))
+
+
+def square_of_sum(s: Any, trace: Trace | None) -> Any:
+    """S² as two products whose narrower operands fit an 18-bit signed multiplier port.
+
+    S has up to 7 + log2 N + 1 bits for int8 rows (20 at N = 4096), so S·S would need
+    a multiplier wider on both sides than a DSP48's 27×18.  With
+    ``h = (S + 2^(k−1)) >> k`` and ``l = S − h·2^k`` (−2^(k−1) <= l < 2^(k−1),
+    k = SQUARE_SPLIT_BITS), ``h·2^k = S − l``, so
+    ``S² = (S − l)(S + l) + l² = h·(S + l)·2^k + l²``: h has log2 N − 10 bits for int8
+    rows (at most 6), l at most k.  Where |S| < 2^(k−1) (int8 rows up to 1024), h = 0 and
+    l = S: the one product S·S as before.  The same integer as S·S on every target.
+    """
+    k = SQUARE_SPLIT_BITS
+    h = record(trace, "sum_high", (s + (1 << (k - 1))) >> k)
+    low = record(trace, "sum_low", s - (h << k))
+    high = record(trace, "square_high", h * (s + low))
+    return record(trace, "sum_squared", (high << k) + record(trace, "square_low", low * low))
 
 
 def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
@@ -114,10 +134,44 @@ def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
     # N·Σx² and (Σx)² only form V's subtraction: they may fill int64 (2^62 each for int16
     # rows of 65536, all -32768), while V itself, which the rounding takes on, keeps headroom.
     rep.add("n_sum_sq", (q * cfg.n).as_unrounded())
-    rep.add("sum_squared", rep["sum"].square().as_unrounded())
+    square_of_sum_ranges(rep)
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
     return StatBounds(v, Interval(-d, d), Fraction(cfg.n - 1), d * d)
+
+
+def variance_floor(cfg: NormConfig) -> int:
+    """V's least non-zero value: V = Σ_{i<j} (x_i − x_j)², so a row that is not constant
+    has V >= k (N − k) >= N − 1 (k elements apart from the rest), reached by one element
+    one LSB off; a constant row has V = 0 and every d_i = 0."""
+    return cfg.n - 1
+
+
+def square_of_sum_ranges(rep: RangeReport) -> None:
+    """Ranges of :func:`square_of_sum`'s parts, from S's ("sum"), exact.
+
+    ``f(S) = h·(S + l) = h²·2^k + 2h·l`` is 0 where h = 0 and never negative: for
+    h != 0, |2h·l| <= |h|·2^k <= h²·2^k.  Within a block of one h it is linear in S,
+    and from one block to the next it moves on the same way (a block's first value
+    is 2h more than the previous block's last, h >= 1, and likewise below 0), so it
+    never decreases for S >= 0 and never increases for S < 0: its least value is at
+    the S of the range nearest 0, its largest at an end.
+    """
+    k = SQUARE_SPLIT_BITS
+    half = 1 << (k - 1)
+    s = rep["sum"]
+    h = rep.add("sum_high", Interval((s.lo + half) >> k, (s.hi + half) >> k))
+    one_block = h.lo == h.hi  # l = S − h 2^k exactly
+    low = rep.add("sum_low", Interval(s.lo - (h.lo << k), s.hi - (h.lo << k)) if one_block else Interval(-half, half - 1))
+
+    def f(v: int) -> int:
+        hv = (v + half) >> k
+        return hv * (v + (v - (hv << k)))
+
+    rep.add("square_high", Interval(f(min(max(0, s.lo), s.hi)), max(f(s.lo), f(s.hi))))
+    rep.add("square_low", low.square())
+    # (Σx)² only forms V's subtraction: it may fill int64, like N·Σx²
+    rep.add("sum_squared", s.square().as_unrounded())
 
 
 def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:
@@ -152,7 +206,7 @@ class IntLayerNorm(RsqrtNorm):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
-    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "mult", "offset", "xa", "scaled")
+    multiplications = ("sum_sq", "n_sum_sq", "square_high", "square_low", "mult", "offset", "xa", "scaled")
     config_cls = LayerNormConfig
     op_defaults = {"inv_bits": 15}
     wide_defaults = {"mant_bits": 22, "inv_bits": 19}
@@ -168,21 +222,26 @@ class IntLayerNorm(RsqrtNorm):
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
         return variance_ranges(cfg, rep)
 
+    @classmethod
+    def _stat_floor(cls, cfg: NormConfig) -> int:
+        return variance_floor(cfg)
+
     def float_reference(self, x: np.ndarray) -> np.ndarray:
         return layer_norm_reference(self, x)
 
     def cost(self) -> dict[str, dict[str, int]]:
         n = self.config.n
         return {
-            # Σx, Σx² (N squares), N·Q and S², V, (V << 2g) + ε, leading-zero count,
-            # mantissa shift, rsqrt (one division and one isqrt inside fixedpoint.rsqrt)
+            # Σx, Σx² (N squares), N·Q and S² (two products, square_of_sum), V,
+            # (V << 2g) + ε, leading-zero count, mantissa shift, rsqrt (one division
+            # and one isqrt inside fixedpoint.rsqrt)
             "per_row": {
-                "add": 2 * (n - 1) + 2,
-                "mul": n + 2,
+                "add": 2 * (n - 1) + 5,
+                "mul": n + 3,
                 "div": 1,
                 "sqrt": 1,
                 "lzc": 1,
-                "shift": 1 + (self.config.eps_shift > 0),
+                "shift": 4 + (self.config.eps_shift > 0),
             },
             "per_element": self.element_cost(),
             "per_row_affine": self.row_affine_cost(),

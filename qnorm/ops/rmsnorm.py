@@ -93,6 +93,12 @@ class IntRMSNorm(RsqrtNorm):
         return RowStageForm("prefix_squares", "rsqrt", self.config.prefix, self.config.inv_frac_bits)
 
     @classmethod
+    def _stat_floor(cls, cfg: NormConfig) -> int:
+        """Q >= 1 unless every x is 0 — over the whole row only: a zero prefix of a
+        partial norm leaves the other elements as they are, divided by ε alone."""
+        return 1 if cfg.prefix == cfg.n else 0
+
+    @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
         """Inside the prefix x_i² <= Q and x_i² <= X² (X = max |x|): a lone X
         reaches both.  Outside it only x_i² <= X², against the smallest W (a zero
