@@ -284,11 +284,20 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
     "centered": lambda op, rep: _product(rep, "N·x (in centered)", Interval.point(op.config.n), _in_interval(op)),
     "sum_sq": lambda op, rep: _square("x·x (in sum_sq)", _in_interval(op)),
     "n_sum_sq": lambda op, rep: _product(rep, "N·sum_sq", Interval.point(op.config.n), rep["sum_sq"], "n_sum_sq"),
-    # (Σx)² in two products (qnorm.ops.layernorm.square_of_sum): h·(S + l) and l·l
-    "square_high": lambda op, rep: _product(
-        rep, "sum_high·(sum + sum_low)", rep["sum_high"], rep["sum"] + rep["sum_low"], "square_high"
+    # (Σx)²: S·S, or where S can leave an 18-bit port two products (qnorm.ops.layernorm.square_of_sum)
+    "sum_squared": lambda op, rep: (
+        None if "square_low" in rep.items else _product(rep, "sum·sum", rep["sum"], rep["sum"], "sum_squared")
     ),
-    "square_low": lambda op, rep: _product(rep, "sum_low·sum_low", rep["sum_low"], rep["sum_low"], "square_low"),
+    "square_high": lambda op, rep: (
+        _product(rep, "sum_high·(sum + sum_low)", rep["sum_high"], rep["sum"] + rep["sum_low"], "square_high")
+        if "square_high" in rep.items
+        else None
+    ),
+    "square_low": lambda op, rep: (
+        _product(rep, "sum_low·sum_low", rep["sum_low"], rep["sum_low"], "square_low")
+        if "square_low" in rep.items
+        else None
+    ),
     # the per-row multiplier N·r and offset round(Σx·a/N) = a·floor(Σx/N) + round(D·a/N), D < N
     "mult": lambda op, rep: _product(
         rep, f"N·{op.inverse_name}", Interval.point(op.config.num_mult), rep[op.inverse_name], "mult"

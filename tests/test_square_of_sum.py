@@ -6,8 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qnorm.analysis import Interval, RangeReport
-from qnorm.ops.layernorm import SQUARE_SPLIT_BITS, square_of_sum, square_of_sum_ranges
+from qnorm.analysis import Interval, RangeReport, products
+from qnorm.ops import IntLayerNorm
+from qnorm.ops.layernorm import SQUARE_SPLIT_BITS, square_of_sum, square_of_sum_ranges, sum_split
+from qnorm.qformat import QFormat
 
 K = SQUARE_SPLIT_BITS
 # the ends of S that matter: 0, the blocks' edges and their neighbours
@@ -34,10 +36,19 @@ def test_the_parts_give_s_squared_and_their_ranges_hold(start: int, width: int) 
     assert -(1 << (K - 1)) <= rep["sum_low"].lo and rep["sum_low"].hi < 1 << (K - 1)  # an 18-bit port
 
 
-def test_short_int8_rows_keep_the_one_product() -> None:
-    """|S| < 2^17 (int8 rows up to 1024): h = 0 and l = S, so S·S as before."""
-    rep = RangeReport("square")
-    rep.add("sum", Interval(-128 * 1024, 127 * 1024))
-    square_of_sum_ranges(rep)
-    assert (rep["sum_high"].lo, rep["sum_high"].hi) == (0, 0) and (rep["square_high"].lo, rep["square_high"].hi) == (0, 0)
-    assert (rep["sum_low"].lo, rep["sum_low"].hi) == (-128 * 1024, 127 * 1024)
+def test_only_a_sum_that_can_leave_the_port_is_split() -> None:
+    """Int8 rows of up to 1024 keep the one product S·S (|S| <= 2^17 fits the port's
+    18 signed bits); from 1025 on, and for int16 rows of 5, S² is two products."""
+    for n, bits, split in ((1024, 8, False), (1025, 8, True), (4, 16, False), (5, 16, True), (65536, 4, True)):
+        op = IntLayerNorm.from_float(np.ones(n), None, 1e-5, QFormat(bits, 0.05))
+        assert sum_split(op.config) is split, (n, bits)
+        rep = op.ranges()
+        assert ("square_low" in rep.items) is split and "sum_squared" in rep.items
+        labels = [p.label for p in products(op)]
+        assert ("sum_squared = sum·sum" in labels) is not split
+        assert ("square_low = sum_low·sum_low" in labels) is split
+        fmt = QFormat(bits, 0.05)
+        x = np.array([[fmt.lo] * n, [fmt.hi] * n], dtype=np.int64)
+        trace: dict[str, np.ndarray] = {}
+        op.forward(x, trace)
+        assert np.array_equal(trace["sum_squared"], trace["sum"] ** 2)

@@ -95,11 +95,19 @@ def variance_eps(cfg: NormConfig, eps: float) -> Fraction:
     return Fraction(eps) * cfg.n**2 / Fraction(cfg.in_fmt.scale) ** 2
 
 
-def variance(x: Any, s: Any, n: int, trace: Trace | None) -> Any:
+def variance(x: Any, s: Any, cfg: NormConfig, trace: Trace | None) -> Any:
     """V = N Σx² − (Σx)² (exact; ε is added by ``_normcore.add_eps``)."""
     q = record(trace, "sum_sq", row_sum(x * x))
-    nq = record(trace, "n_sum_sq", n * q)
-    return record(trace, "var", nq - square_of_sum(s, trace))
+    nq = record(trace, "n_sum_sq", cfg.n * q)
+    ss = square_of_sum(s, trace) if sum_split(cfg) else record(trace, "sum_squared", s * s)
+    return record(trace, "var", nq - ss)
+
+
+def sum_split(cfg: NormConfig) -> bool:
+    """Whether Σx can leave [−2^(k−1), 2^(k−1)), an 18-bit signed port, so that
+    :func:`square_of_sum` forms its square (int8 rows over 1024: S·S where it cannot)."""
+    half = 1 << (SQUARE_SPLIT_BITS - 1)
+    return not (-half <= cfg.n * cfg.in_fmt.lo and cfg.n * cfg.in_fmt.hi < half)
 
 
 def square_of_sum(s: Any, trace: Trace | None) -> Any:
@@ -110,8 +118,8 @@ def square_of_sum(s: Any, trace: Trace | None) -> Any:
     ``h = (S + 2^(k−1)) >> k`` and ``l = S − h·2^k`` (−2^(k−1) <= l < 2^(k−1),
     k = SQUARE_SPLIT_BITS), ``h·2^k = S − l``, so
     ``S² = (S − l)(S + l) + l² = h·(S + l)·2^k + l²``: h has log2 N − 10 bits for int8
-    rows (at most 6), l at most k.  Where |S| < 2^(k−1) (int8 rows up to 1024), h = 0 and
-    l = S: the one product S·S as before.  The same integer as S·S on every target.
+    rows (at most 6), l at most k.  The same integer as S·S on every target, formed so
+    only where S can leave the port (:func:`sum_split`).
     """
     k = SQUARE_SPLIT_BITS
     h = record(trace, "sum_high", (s + (1 << (k - 1))) >> k)
@@ -134,7 +142,10 @@ def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
     # N·Σx² and (Σx)² only form V's subtraction: they may fill int64 (2^62 each for int16
     # rows of 65536, all -32768), while V itself, which the rounding takes on, keeps headroom.
     rep.add("n_sum_sq", (q * cfg.n).as_unrounded())
-    square_of_sum_ranges(rep)
+    if sum_split(cfg):
+        square_of_sum_ranges(rep)
+    else:  # (Σx)² only forms V's subtraction: it may fill int64, like N·Σx²
+        rep.add("sum_squared", rep["sum"].square().as_unrounded())
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
     return StatBounds(v, Interval(-d, d), Fraction(cfg.n - 1), d * d)
@@ -206,14 +217,14 @@ class IntLayerNorm(RsqrtNorm):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
-    multiplications = ("sum_sq", "n_sum_sq", "square_high", "square_low", "mult", "offset", "xa", "scaled")
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "xa", "scaled")
     config_cls = LayerNormConfig
     op_defaults = {"inv_bits": 15}
     wide_defaults = {"mant_bits": 22, "inv_bits": 19}
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s = record(trace, "sum", row_sum(x))
-        return variance(x, s, self.config.n, trace), s
+        return variance(x, s, self.config, trace), s
 
     def row_stage_form(self) -> RowStageForm:
         return RowStageForm("variance", "rsqrt", self.config.n, self.config.inv_frac_bits)
@@ -230,18 +241,18 @@ class IntLayerNorm(RsqrtNorm):
         return layer_norm_reference(self, x)
 
     def cost(self) -> dict[str, dict[str, int]]:
-        n = self.config.n
+        n, split = self.config.n, sum_split(self.config)
         return {
-            # Σx, Σx² (N squares), N·Q and S² (two products, square_of_sum), V,
-            # (V << 2g) + ε, leading-zero count, mantissa shift, rsqrt (one division
-            # and one isqrt inside fixedpoint.rsqrt)
+            # Σx, Σx² (N squares), N·Q and S² (in two products where Σx can leave
+            # 18 bits: square_of_sum), V, (V << 2g) + ε, leading-zero count, mantissa
+            # shift, rsqrt (one division and one isqrt inside fixedpoint.rsqrt)
             "per_row": {
-                "add": 2 * (n - 1) + 5,
-                "mul": n + 3,
+                "add": 2 * (n - 1) + 2 + 3 * split,
+                "mul": n + 2 + split,
                 "div": 1,
                 "sqrt": 1,
                 "lzc": 1,
-                "shift": 4 + (self.config.eps_shift > 0),
+                "shift": 1 + (self.config.eps_shift > 0) + 3 * split,
             },
             "per_element": self.element_cost(),
             "per_row_affine": self.row_affine_cost(),

@@ -51,6 +51,7 @@ from qnorm.ops.layernorm import (
     layer_norm_reference,
     variance,
     variance_eps,
+    sum_split,
     variance_floor,
     variance_ranges,
 )
@@ -211,7 +212,7 @@ class ShiftLayerNorm(NormOp):
     name = "shift_layernorm"
     # scales by shifts; the per-row multiplier N·(2^hi ± 2^lo) (rounded by 2^-j
     # for long rows) is applied to x as in every norm
-    multiplications = ("sum_sq", "n_sum_sq", "square_high", "square_low", "mult", "offset", "xa")
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "xa")
     config_cls = ShiftNormConfig
     gain_form = "pow2"  # _quantize_gain's signed powers of two ±2^l_c
     inverse_name = "rsqrt_pow2"
@@ -252,7 +253,7 @@ class ShiftLayerNorm(NormOp):
 
     def _statistic(self, x: Any, trace: Trace | None) -> tuple[Any, Any]:
         s = record(trace, "sum", row_sum(x))
-        return variance(x, s, self.config.n, trace), s
+        return variance(x, s, self.config, trace), s
 
     @classmethod
     def _statistic_ranges(cls, cfg: NormConfig, rep: RangeReport) -> StatBounds:
@@ -320,17 +321,18 @@ class ShiftLayerNorm(NormOp):
 
     def cost(self) -> dict[str, dict[str, int]]:
         n, terms = self.config.n, self.config.mantissa_terms
+        split = sum_split(self.config)
         return {
-            # Σx, Σx² (narrow in×in squares), N·Q and S² (two products, square_of_sum),
-            # V, (V << 2g) + ε, leading-zero count, mantissa shift, threshold compares
-            # selecting the mantissa
+            # Σx, Σx² (narrow in×in squares), N·Q and S² (in two products where Σx can
+            # leave 18 bits: square_of_sum), V, (V << 2g) + ε, leading-zero count,
+            # mantissa shift, threshold compares selecting the mantissa
             "per_row": {
-                "add": 2 * (n - 1) + 5,
-                "mul": n + 3,
+                "add": 2 * (n - 1) + 2 + 3 * split,
+                "mul": n + 2 + split,
                 "div": 0,
                 "sqrt": 0,
                 "lzc": 1,
-                "shift": 4 + (self.config.eps_shift > 0),
+                "shift": 1 + (self.config.eps_shift > 0) + 3 * split,
                 "compare": len(mantissa_table(terms)[1]) - 1,
             },
             # x·a multiplies by the row's N·(2^a ± 2^b) (rounded by 2^-j for long rows);
