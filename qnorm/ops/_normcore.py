@@ -20,7 +20,8 @@ stages; only stage 1 and the per-row inverse in stage 2 differ between them.
    for the variance, 2(N − 1) for L1's, 1 for Σx², 0 for a partial Σx² whose
    zero prefix leaves the other elements non-zero): ε's rounding then moves W by
    at most 2^-17 of itself.  It is lowered while the range analysis would refuse
-   it, and 0 when ε = 0 or ε is already that fine.  The numerator's pre-scale grows by g to
+   it or, in the narrow datapath, while W would leave ``NARROW_ROW_BITS`` (a
+   DSP48's accumulator), and 0 when ε = 0 or ε is already that fine.  The numerator's pre-scale grows by g to
    compensate (stage 3), so z is unchanged except for the finer ε.  The extra
    low bits of W cost nothing after stage 2 (the mantissa split keeps a fixed
    width); only W itself is p·g bits wider.
@@ -118,8 +119,8 @@ DEFINITION_VERSION = 3
 DEFINITION_NOTES = {
     2: "narrow lanes: the per-row inverse is folded into a multiplier and offset of the raw input, "
     "and the output stage runs in a clamped per-channel window",
-    3: "eps guard bits sized against the least non-zero statistic, not eps alone: the statistic "
-    "plus eps stays within a 48-bit accumulator for int4/int8 rows",
+    3: "eps guard bits sized against the least non-zero statistic, not eps alone, and for int4/int8 "
+    "rows stopped where the statistic plus eps would leave a 48-bit accumulator",
 }
 # Gain multiplier widths: 16 bits for outputs of up to 8 bits (a gain LSB moves
 # an int8 output by < 2^-8 LSB), 24 above.
