@@ -309,7 +309,7 @@ def test_eps_guard_search_and_final_constructor_hit_the_cache(monkeypatch):
     monkeypatch.setattr(IntLayerNorm, "_row_ranges", classmethod(counting))
     guard = core.eps_guard_bits
     # start the search far too high, so the analysis refuses guard after guard
-    monkeypatch.setattr(core, "eps_guard_bits", lambda eps_s, stat_hi, p, stat_floor=0, stat_bits=63: 61 // p)
+    monkeypatch.setattr(core, "eps_guard_bits", lambda eps_s, stat_hi, p, stat_floor, stat_bits: 61 // p)
     core.row_cache_clear()
     fmt = QFormat(8, 0.03)
     a = IntLayerNorm.from_float(np.ones(64), None, 1e-5, fmt)

@@ -383,7 +383,7 @@ def round_scaled(q: Fraction, shift: int) -> int:
     return ((q.numerator << (shift + 1)) + d) // (d << 1)
 
 
-def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int, stat_floor: int = 0, stat_bits: int = 63) -> int:
+def eps_guard_bits(eps_s: Fraction, stat_hi: int, p: int, stat_floor: int, stat_bits: int) -> int:
     """g for ``W = S·2^(p g) + round(ε_S 2^(p g))`` (module docstring, stage 1).
 
     ε's rounding moves W by at most 1/2; g makes that at most 2^-(EPS_RESOLUTION_BITS+1)

@@ -144,8 +144,7 @@ def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
     rep.add("n_sum_sq", (q * cfg.n).as_unrounded())
     if sum_split(cfg):
         square_of_sum_ranges(rep)
-    else:  # (Σx)² only forms V's subtraction: it may fill int64, like N·Σx²
-        rep.add("sum_squared", rep["sum"].square().as_unrounded())
+    rep.add("sum_squared", rep["sum"].square().as_unrounded())  # only V's subtraction takes it, like N·Σx²
     span = x.hi - x.lo
     v = rep.add("var", Interval(0, (cfg.n // 2) * ((cfg.n + 1) // 2) * span * span))
     return StatBounds(v, Interval(-d, d), Fraction(cfg.n - 1), d * d)
@@ -159,7 +158,7 @@ def variance_floor(cfg: NormConfig) -> int:
 
 
 def square_of_sum_ranges(rep: RangeReport) -> None:
-    """Ranges of :func:`square_of_sum`'s parts, from S's ("sum"), exact.
+    """Ranges of :func:`square_of_sum`'s parts before their sum, from S's ("sum"), exact.
 
     ``f(S) = h·(S + l) = h²·2^k + 2h·l`` is 0 where h = 0 and never negative: for
     h != 0, |2h·l| <= |h|·2^k <= h²·2^k.  Within a block of one h it is linear in S,
@@ -181,8 +180,6 @@ def square_of_sum_ranges(rep: RangeReport) -> None:
 
     rep.add("square_high", Interval(f(min(max(0, s.lo), s.hi)), max(f(s.lo), f(s.hi))))
     rep.add("square_low", low.square())
-    # (Σx)² only forms V's subtraction: it may fill int64, like N·Σx²
-    rep.add("sum_squared", s.square().as_unrounded())
 
 
 def layer_norm_reference(op: NormOp, x: np.ndarray) -> np.ndarray:

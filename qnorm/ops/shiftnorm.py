@@ -49,9 +49,9 @@ from qnorm.ops._xp import const_like, row_sum
 from qnorm.ops.base import Trace, record
 from qnorm.ops.layernorm import (
     layer_norm_reference,
+    sum_split,
     variance,
     variance_eps,
-    sum_split,
     variance_floor,
     variance_ranges,
 )
