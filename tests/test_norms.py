@@ -171,7 +171,7 @@ EPS_DOMINATED = [  # (kind, N, s_in, ε): ε_S off its integer grid
 def test_error_where_eps_dominates(kind, n, s_in, eps):
     """Rows whose variance is comparable to ε: the exact ops stay within the half LSB
     of the output rounding plus their internal rounding (< 0.02 LSB), as on
-    Gaussian rows — ε itself is off by <= 2^-17 relative."""
+    Gaussian rows — ε's rounding moves W by <= 2^-17 of itself."""
     rng = np.random.default_rng([n, int(s_in * 1e4)])
     gamma, beta = 1.0 + 0.1 * rng.normal(size=n), 0.1 * rng.normal(size=n)
     fmt = QFormat(8, s_in)

@@ -98,8 +98,8 @@ DEFAULT_OUT = QFormat.power_of_two(8, -5)  # int8 covering [-4, 4): normalized v
 # Default F_z puts the rounding of z this many bits below the output LSB of the
 # channel with the largest gain, so z's rounding adds <= 2^-7 LSB.
 GUARD_BITS = 6
-# ε is added to the statistic with at least this many bits of its own (stage 1):
-# ε_int >= 2^16, a relative error of ε <= 2^-17, below the 2^-16 of the rsqrt
+# ε is added to the statistic with this many bits below the least W it matters to
+# (stage 1): its rounding moves W by <= 2^-17 of itself, below the 2^-16 of the rsqrt
 # (inv_bits = 15) and of L1's reciprocal (inv_bits = 16).
 EPS_RESOLUTION_BITS = 16
 # Per-element datapaths (``NormConfig.lanes``): every per-element intermediate of
