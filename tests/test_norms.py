@@ -81,6 +81,31 @@ def exact_eps(op, eps: float) -> Fraction:
     return Fraction(eps) * cfg.n**2 / s_in**2  # σ² + ε = (V + ε N² / s_in²) s_in² / N²
 
 
+@pytest.mark.parametrize("n", [2, 3, 5, 6])
+def test_stat_floor_is_the_least_statistic_of_a_row_that_eps_moves(n):
+    """Every int row of values in [−3, 3]: the least non-zero statistic is the op's
+    ``_stat_floor`` (N − 1, 2(N − 1), 1), and a zero statistic has every numerator 0 —
+    except partial RMSNorm, whose zero prefix leaves the rest (its floor: 0)."""
+    rows = np.stack(np.meshgrid(*[np.arange(-3, 4)] * n, indexing="ij"), -1).reshape(-1, n).astype(np.int64)
+    fmt = QFormat(4, 0.1)
+    for op, stat in (
+        (IntLayerNorm.from_float(np.ones(n), None, 1e-5, fmt), "var"),
+        (ShiftLayerNorm.from_float(np.ones(n), None, 1e-5, fmt), "var"),
+        (L1LayerNorm.from_float(np.ones(n), None, 1e-5, fmt), "sum_abs"),
+        (IntRMSNorm.from_float(np.ones(n), None, 1e-5, fmt), "sum_sq"),
+        (IntRMSNorm.from_float(np.ones(n), None, 1e-5, fmt, partial=0.5), "sum_sq"),
+    ):
+        trace: dict[str, np.ndarray] = {}
+        op.forward(rows, trace)
+        s = np.asarray(trace[stat]).reshape(-1)
+        moved = (rows != 0).any(axis=1) if op.config.centered is False else (rows != rows[:, :1]).any(axis=1)
+        floor = type(op)._stat_floor(op.config)
+        if floor:
+            assert s[s > 0].min() == floor and not (moved & (s == 0)).any()
+        else:
+            assert (moved & (s == 0)).any()
+
+
 def test_eps_in_integer_units_of_each_statistic():
     """ε_int = round(ε_S 2^(p g)): ε in units of 2^(-p g) of S (p = 2 for V and Q, 1 for A)."""
     n, s_in = 64, 0.05
