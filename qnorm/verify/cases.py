@@ -303,6 +303,7 @@ def _catalogue() -> tuple[Case, ...]:
         _norm(ln, "int4", 64),
         _norm(ln, "int4", 4),  # 16^4 rows: exhaustive
         _norm(ln, "int16", 48),
+        _norm(ln, "int8", 2048),  # Σx leaves 18 bits: S² in two products (qnorm.ops.layernorm.square_of_sum)
         _norm(l1, "int8", 64),
         _norm(l1, "int8", 768),  # rows long enough for the x86 kernels' vpsadbw sums (compilers.tvm.x86_rowsums)
         _norm(l1, "int8", 1),
