@@ -104,8 +104,8 @@ def variance(x: Any, s: Any, cfg: NormConfig, trace: Trace | None) -> Any:
 
 
 def sum_split(cfg: NormConfig) -> bool:
-    """Whether Σx can leave [−2^(k−1), 2^(k−1)), an 18-bit signed port, so that
-    :func:`square_of_sum` forms its square (int8 rows over 1024: S·S where it cannot)."""
+    """Whether Σx can leave [−2^(k−1), 2^(k−1)), an 18-bit signed port (int8 rows over
+    1024), so that :func:`square_of_sum` forms its square; elsewhere it is S·S."""
     half = 1 << (SQUARE_SPLIT_BITS - 1)
     return not (-half <= cfg.n * cfg.in_fmt.lo and cfg.n * cfg.in_fmt.hi < half)
 
@@ -121,11 +121,18 @@ def square_of_sum(s: Any, trace: Trace | None) -> Any:
     rows (at most 6), l at most k.  The same integer as S·S on every target, formed so
     only where S can leave the port (:func:`sum_split`).
     """
-    k = SQUARE_SPLIT_BITS
-    h = record(trace, "sum_high", (s + (1 << (k - 1))) >> k)
-    low = record(trace, "sum_low", s - (h << k))
+    h, low = split_sum(s)
+    h, low = record(trace, "sum_high", h), record(trace, "sum_low", low)
     high = record(trace, "square_high", h * (s + low))
-    return record(trace, "sum_squared", (high << k) + record(trace, "square_low", low * low))
+    return record(trace, "sum_squared", (high << SQUARE_SPLIT_BITS) + record(trace, "square_low", low * low))
+
+
+def split_sum(s: Any) -> tuple[Any, Any]:
+    """``(h, l)`` with ``S = h·2^k + l`` and −2^(k−1) <= l < 2^(k−1) (k = SQUARE_SPLIT_BITS),
+    on any integer values: Python ints, numpy, torch, TIR, HDL."""
+    k = SQUARE_SPLIT_BITS
+    h = (s + (1 << (k - 1))) >> k
+    return h, s - (h << k)
 
 
 def variance_ranges(cfg: NormConfig, rep: RangeReport) -> StatBounds:
@@ -167,16 +174,16 @@ def square_of_sum_ranges(rep: RangeReport) -> None:
     never decreases for S >= 0 and never increases for S < 0: its least value is at
     the S of the range nearest 0, its largest at an end.
     """
-    k = SQUARE_SPLIT_BITS
-    half = 1 << (k - 1)
+    half = 1 << (SQUARE_SPLIT_BITS - 1)
     s = rep["sum"]
-    h = rep.add("sum_high", Interval((s.lo + half) >> k, (s.hi + half) >> k))
-    one_block = h.lo == h.hi  # l = S − h 2^k exactly
-    low = rep.add("sum_low", Interval(s.lo - (h.lo << k), s.hi - (h.lo << k)) if one_block else Interval(-half, half - 1))
+    (h_lo, l_lo), (h_hi, l_hi) = split_sum(s.lo), split_sum(s.hi)
+    rep.add("sum_high", Interval(h_lo, h_hi))
+    # l = S − h 2^k exactly within one block; across blocks it takes every value of the port
+    low = rep.add("sum_low", Interval(l_lo, l_hi) if h_lo == h_hi else Interval(-half, half - 1))
 
     def f(v: int) -> int:
-        hv = (v + half) >> k
-        return hv * (v + (v - (hv << k)))
+        h, low = split_sum(v)
+        return h * (v + low)
 
     rep.add("square_high", Interval(f(min(max(0, s.lo), s.hi)), max(f(s.lo), f(s.hi))))
     rep.add("square_low", low.square())
