@@ -21,7 +21,15 @@ tvm = pytest.importorskip("tvm")
 
 from compilers import toolchains
 from compilers.tvm.build import non_integer_dtypes, tvm_target
-from compilers.tvm.gpu import GPU, MAX_BLOCK_THREADS, Launch, column_threads, lower
+from compilers.tvm.gpu import (
+    GPU,
+    LOWERING_CONFIG,
+    MAX_BLOCK_THREADS,
+    Launch,
+    column_threads,
+    lower,
+    row_geometry,
+)
 from compilers.tvm.kernels import kernel_for
 from qnorm.targets import load_target
 from qnorm.verify import backends, golden_store, harness
@@ -42,6 +50,12 @@ ONE_PER_FAMILY = (
     "softmax.int8.n197",  # a max and a sum reduction across threads, table loads
 )
 ELEMENTS = 4096  # random elements per case in the normal run (edge/exhaustive sets come on top)
+
+
+def wide(name: str, n: int) -> Case:
+    """The verify case ``name`` on rows of ``n`` columns."""
+    base = case_named(name)
+    return Case(f"{name}.n{n}", base.op, {**base.config, "n": n})
 
 
 @functools.cache
@@ -77,17 +91,27 @@ def test_gpu_schedule_is_integer_only_and_binds_threads(name: str) -> None:
         assert cuda_device(name).max_threads() <= MAX_BLOCK_THREADS <= limit
 
 
-def test_row_reductions_are_block_reductions_and_row_scalars_stay_in_registers() -> None:
+def test_row_reductions_leave_their_result_in_registers_and_row_scalars_stay_there() -> None:
+    # A row of 768 runs on one warp: shuffles alone, no shared memory, no barrier.
     src = cuda_device("int_layernorm.int8.n768").source
+    assert "__shfl_down_sync" in src and "__shared__" not in src and "__syncthreads" not in src
+    assert "row_sum_local" in src and "stat_local" in src
+    # A row of 4096 runs on a block: warps combine through shared memory, the result
+    # comes back into every thread's registers.
+    src = lower(kernel_for(wide("int_layernorm.int8.n768", 4096).build(), GPU).mod,
+                tvm_target(load_target("cuda"))).source
     shared = re.findall(r"__shared__[^;]*?(\w+)\[", src)
-    assert any(name.startswith("row_sum") for name in shared)
-    assert not [n for n in shared if n.startswith(("stat", "exp", "mant", "inv", "out"))], shared
-    assert "__shfl_down_sync" in src and "__syncthreads()" in src  # the int32 sum of squares
-    assert "stat_local" in src
+    assert shared and "__syncthreads()" in src and "row_sum_local" in src
+    assert not [n for n in shared if n.startswith(("row_sum", "stat", "exp", "mant", "inv", "out"))], shared
 
 
-def test_column_threads() -> None:
-    assert [column_threads(n) for n in (1, 2, 7, 48, 64, 768, 4096)] == [1, 2, 8, 64, 64, 256, 256]
+def test_column_threads_and_rows_per_block() -> None:
+    ns = (1, 2, 7, 48, 64, 768, 1024, 1025, 4096)
+    assert [column_threads(n) for n in ns] == [1, 2, 8, 32, 32, 32, 32, 256, 256]
+    assert [row_geometry(n) for n in ns] == [
+        (1, 256), (2, 128), (8, 32), (32, 8), (32, 8), (32, 8), (32, 8), (256, 1), (256, 1)
+    ]
+    assert all(tx * ty == MAX_BLOCK_THREADS for tx, ty in map(row_geometry, range(1, 5000)))
 
 
 def test_launch_geometry_follows_the_call_shapes() -> None:
@@ -95,7 +119,9 @@ def test_launch_geometry_follows_the_call_shapes() -> None:
     channel = ("gain", "lo", "hi", "bias")  # the half-up output window's per-channel constants
     shapes = {"x": (5, 768), **{name: (768,) for name in channel}, "out": (5, 768)}
     (launch,) = dev.launches(shapes)
-    assert (launch.grid, launch.block, launch.threads) == ((5, 1, 1), (256, 1, 1), 256)
+    assert (launch.grid, launch.block, launch.threads) == ((1, 1, 1), (32, 8, 1), 256)
+    big = {**shapes, "x": (17, 768), "out": (17, 768)}
+    assert dev.launches(big)[0].grid == (3, 1, 1)  # 8 rows a block, the last one partly masked
     params = dev.kernels[0].params
     assert sorted(a for p, a in zip(params, launch.args, strict=True) if p.is_buffer) == sorted([*channel, "out", "x"])
     assert [a for p, a in zip(params, launch.args, strict=True) if not p.is_buffer] == [5]
@@ -127,10 +153,9 @@ def test_lowering_is_what_tvm_compile_emits() -> None:
     """:func:`lower` runs tvm.compile's steps; the source must be the one tvm.compile stores."""
     kernel = gpu_kernel("shift_layernorm.int8.n64.m2")
     target = tvm_target(load_target("cuda"))
-    assert (
-        lower(kernel.mod, target).source
-        == tvm.compile(kernel.mod, target=target).mod.imports[0].inspect_source()
-    )
+    with tvm.transform.PassContext(config=LOWERING_CONFIG):
+        compiled = tvm.compile(kernel.mod, target=target).mod.imports[0].inspect_source()
+    assert lower(kernel.mod, target).source == compiled
 
 
 def test_block_limit_of_the_target_is_enforced() -> None:
@@ -178,6 +203,22 @@ def test_opencl_beyond_one_block_of_columns(name: str, change: dict) -> None:
     base = case_named(name)
     case = Case(f"{name}.wide", base.op, {**base.config, **change})
     assert check_on_pocl(case, 4 * vector_elements(case), with_golden=False) > 0
+
+
+@pytest.mark.parametrize("name", ["int_layernorm.int8.n768", "l1_layernorm.int4.n7.trunc"])
+def test_opencl_rows_that_leave_the_last_block_part_empty(name: str) -> None:
+    """Several rows share a block; a call whose rows are not a multiple of them masks the rest."""
+    opencl = opencl_or_skip()
+    case = case_named(name)
+    op = case.build()
+    compiled = opencl.opencl_kernel(op)
+    n = case.config["n"]
+    _, per_block = row_geometry(n)
+    rng = np.random.default_rng(3)
+    lo, hi = (-128, 128) if ".int8." in name else (-8, 8)
+    for rows in (1, per_block - 1, per_block + 1, 2 * per_block + 3):
+        x = rng.integers(lo, hi, (rows, n)).astype(np.int8)
+        assert np.array_equal(compiled(x), op.forward(x)), rows
 
 
 @pytest.mark.slow

@@ -1,28 +1,34 @@
-"""GPU schedule for the row-wise integer kernels: a thread block per row, threads over columns.
+"""GPU schedule for the row-wise integer kernels: rows over blocks (a warp or a block per
+row), threads over columns.
 
 One schedule serves CUDA and OpenCL (:mod:`compilers.tvm.cuda`, :mod:`compilers.tvm.opencl`):
 
-* the output's leading axes are fused into one row loop, bound to ``blockIdx.x``
-  (one row per block, also for short rows: several rows per block would need
-  a shared row statistic sized by the symbolic row count at the last block,
-  and TVM 0.27 allocates only constant-size buffers on the device);
+* the output's leading axes are fused into one row loop, split over
+  ``blockIdx.x`` and ``threadIdx.y``: :func:`row_geometry` gives a row of
+  ``n <= WARP_ROW_LIMIT`` columns at most a warp of threads and puts
+  ``MAX_BLOCK_THREADS / tx`` rows in a block; a longer row takes a whole block.
+  Measured on an H200 (``scripts/gpu_check.sh``): every thread of a row runs
+  the row's scalar chain (below), so eight warps on a row of 768 ran it eight
+  times: a warp per row took 12.8 µs at (4096, 768) against 32.5 µs with a
+  block per row; at (1024, 4096) a warp per row leaves too few warps to hide
+  latency (50 µs against 14 µs).  The last block's rows past ``rows`` are
+  masked inside every stage, as out-of-range columns are;
 * the columns of a row are split over ``threadIdx.x`` (consecutive threads read
   consecutive columns: coalesced), a thread taking every ``tx``-th column;
 * a row reduction (``row_sum*``) splits its reduction axis the same way and is a
-  block reduction: each thread sums its columns, then TVM's cross-thread
-  allreduce (warp shuffles on CUDA, a shared-memory tree on OpenCL) combines
-  them into a shared-memory value; TVM inserts the barrier before its readers;
+  cross-thread allreduce (warp shuffles on CUDA, a shared-memory tree on
+  OpenCL) whose result every thread of the row keeps in a register (local
+  scope): with several rows per block a shared result would be sized by the
+  rows left at the last block, which TVM 0.27 cannot allocate;
 * per-row scalar stages (``stat``, ``exp*``, ``mant*``, ``inv*``, ``out_r*``) are
-  computed **redundantly by every thread**, in registers (local scope).  They
-  are a serial dependency chain (leading-zero count, division, digit-by-digit
-  isqrt) that one thread would run while the rest of the block waits at a
-  barrier anyway; all threads of a warp run it in lockstep at the same latency,
-  with no shared-memory round trip and no extra barrier;
+  computed **redundantly by every thread** of the row, in registers (local
+  scope).  They are a serial dependency chain (leading-zero count, division,
+  digit-by-digit isqrt) that one thread would run while the rest waited anyway;
 * per-element stages are computed by the thread of their column, just before
   the output element, in registers.
 
-All threads of a block take part in every barrier: a thread whose column or
-row is out of range is masked inside the stage, never skipped around it.
+All threads of a block take part in every barrier and shuffle: a thread whose
+column or row is out of range is masked inside the stage, never skipped around it.
 
 The LIF neurons (loop kernels) run a block per row (one neuron population of
 the batch), a thread per channel, the membrane state in shared memory: each
@@ -48,17 +54,30 @@ from compilers.tvm.build import non_integer_dtypes
 from compilers.tvm.schedules import ChannelBody, Schedule
 
 MAX_BLOCK_THREADS = 256  # the smallest max_threads among the GPU targets (OpenCL: 256)
+WARP = 32  # threads of a row that reduce by shuffles alone on CUDA
+WARP_ROW_LIMIT = 1024  # the longest row that runs on at most a warp (see the module docstring)
+_COMM_REDUCE = 2  # IterVar.iter_type of a reduction block axis
+LOWERING_CONFIG = {"tirx.disable_storage_rewrite": True, "tirx.disable_cse_tir": True}  # see lower()
 _DATA_PAR = 0  # IterVar.iter_type of a data-parallel block axis
 _CALL_KERNEL = tvm.ir.Op.get("tirx.call_ffi_kernel")  # the host's launch of a device function
 _THREAD_TAGS = ("blockIdx.", "threadIdx.")
 
 
 def column_threads(n: int) -> int:
-    """Threads over one row of ``n`` columns: the power of two covering it, at most a block.
+    """Threads over one row of ``n`` columns: the power of two covering it, at most a
+    warp for rows up to :data:`WARP_ROW_LIMIT`, else a block.
 
     A power of two keeps TVM's allreduce on its warp-shuffle path.
     """
-    return min(MAX_BLOCK_THREADS, 1 << max(n - 1, 0).bit_length())
+    cap = WARP if n <= WARP_ROW_LIMIT else MAX_BLOCK_THREADS
+    return min(cap, 1 << max(n - 1, 0).bit_length())
+
+
+def row_geometry(n: int) -> tuple[int, int]:
+    """(threads per row, rows per block) for rows of ``n`` columns: a block of
+    :data:`MAX_BLOCK_THREADS` threads, whole rows."""
+    tx = column_threads(n)
+    return tx, MAX_BLOCK_THREADS // tx
 
 
 def schedule_rowwise(func: tirx.PrimFunc | tvm.IRModule, output: str) -> tvm.IRModule:
@@ -73,9 +92,11 @@ def schedule_rowwise(func: tirx.PrimFunc | tvm.IRModule, output: str) -> tvm.IRM
     extent = sch.get(loops[-1]).extent
     if not isinstance(extent, tirx.IntImm):
         raise TypeError(f"the GPU schedule needs a static row length; {output!r} has {extent}")
-    tx = column_threads(int(extent))
-    row = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-    sch.bind(row, "blockIdx.x")
+    tx, ty = row_geometry(int(extent))
+    rows = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    block, row = sch.split(rows, [None, ty])
+    sch.bind(block, "blockIdx.x")
+    sch.bind(row, "threadIdx.y")
     column = sch.split(loops[-1], [None, tx])[1]
     sch.bind(column, "threadIdx.x")
 
@@ -106,8 +127,10 @@ def _spread_over_threads(
     """A stage placed at the row loop: its own loops over ``threadIdx.x``, or none.
 
     A stage with loops of its own (a row reduction, or a per-element stage read
-    by another thread's stage) splits its innermost loop over the block's
-    threads and keeps its result in shared memory; a per-row scalar stage has
+    by another thread's stage) splits its innermost loop over the row's
+    threads.  A reduction's result is kept in every thread's registers (TVM's
+    allreduce hands it to all of them); a per-element stage's results are shared
+    memory, the only way another thread reads them.  A per-row scalar stage has
     no loop and stays in each thread's registers.
     """
     loops = sch.get_loops(block)
@@ -122,7 +145,8 @@ def _spread_over_threads(
             "the GPU schedule spreads one loop over a block's threads"
         )
     sch.bind(sch.split(own[0], [None, tx])[1], "threadIdx.x")
-    sch.set_scope(block, 0, "shared")
+    reduces = any(iv.iter_type == _COMM_REDUCE for iv in sch.get(block).iter_vars)
+    sch.set_scope(block, 0, "local" if reduces else "shared")
 
 
 def _spatial_axes(sch: tvm.s_tir.Schedule, block: tvm.s_tir.schedule.SBlockRV) -> int:
@@ -269,7 +293,18 @@ def lower(mod: tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target, *, allow
     host_target = target.host or tvm.target.Target("llvm")
     bound = tvm.tirx.transform.BindTarget(target.with_host(host_target))(mod)
     pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline("default")
-    host, devices = split_host_device_mods(pipeline(bound))
+    # StorageRewrite runs before LowerThreadAllreduce: it may give a reduction's
+    # register result and a later stage's register the same buffer, which the
+    # allreduce then turns into the shared slot its result passes through, so every
+    # thread of the row would update one shared value in place (a race: seen as
+    # wrong rows on PoCL and run-to-run differences on a GPU).  Registers gain
+    # nothing from the rewrite; it stays off.  Common-subexpression elimination stays
+    # off too: on the host it binds an expression the launches share (the block count
+    # of a model's kernels, ceil(rows / rows per block)) to a new scalar argument that
+    # only TVM's host function computes, and the launches here come from the shape
+    # variables alone (nvcc and the OpenCL compiler eliminate the device's own).
+    with tvm.transform.PassContext(config=LOWERING_CONFIG):
+        host, devices = split_host_device_mods(pipeline(bound))
     if len(devices) != 1:
         raise ValueError(f"expected device code for one target, got {len(devices)}")
     device = finalize_device()(next(iter(devices.values())))
