@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROUNDS, ITERS, WARMUP = 5, 200, 10
+VERIFY_REPORT, BENCH_REPORT, RESULTS = "gpu_verify.md", "gpu_bench.md", "gpu_results.json"
 TORCH_DTYPES = ("float16", "float32")
 
 
@@ -147,6 +148,11 @@ def bench_table(
     return rows, "\n".join(lines)
 
 
+def bench_report(device: str, table: str) -> str:
+    """The text of ``gpu_bench.md``: a heading naming the GPU, then :func:`bench_table`'s table."""
+    return f"# int8 norm kernels on {device}\n\n{table}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", type=Path, required=True)
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     verify_rows, verify_md = verify_table(manifest, parse_harness(args.verify_log.read_text()))
-    (args.out / "gpu_verify.md").write_text(
+    (args.out / VERIFY_REPORT).write_text(
         f"# qnorm verify, cuda column on {args.device}\n\n{verify_md}\n"
     )
     results: dict[str, Any] = {
@@ -174,13 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_rows, bench_md = bench_table(
             manifest, parse_harness(args.bench_log.read_text()), torch_times, note
         )
-        (args.out / "gpu_bench.md").write_text(
-            f"# int8 norm kernels on {args.device}\n\n{bench_md}\n"
-        )
+        (args.out / BENCH_REPORT).write_text(bench_report(args.device, bench_md))
         results.update(bench=bench_rows, torch=note)
         failed += [r["label"] for r in bench_rows if r["status"] != "ok"]
         print(bench_md)
-    (args.out / "gpu_results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / RESULTS).write_text(json.dumps(results, indent=1) + "\n")
     print(verify_md)
     print(f"not bit-exact on the GPU: {', '.join(failed) or 'none'}", file=sys.stderr)
     return 1 if failed else 0

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from readme_script import load_readme_tables
 
+from benchmarks import bench_gpu
 from compilers.rtl.report import report_paths
 from qnorm.demo import (
     DEPLOY_MODELS,
@@ -63,9 +64,13 @@ def make_out(target: str) -> Path:
 
 
 def gpu_check_outputs() -> list[Path]:
-    """The default output directories of scripts/gpu_check.sh (`${VAR:-$repo/PATH}`)."""
+    """The default output directories of scripts/gpu_check.sh (`${VAR:-$repo/PATH}`), and the
+    reports benchmarks/bench_gpu.py writes into its results directory (`out="${OUT:-…}"`)."""
     script = (REPO / "scripts" / "gpu_check.sh").read_text()
-    return [Path(p) for p in re.findall(r":-\$repo/([\w./-]+)\}", script)]
+    results = re.search(r'out="\$\{OUT:-\$repo/([\w./-]+)\}"', script)
+    assert results, "scripts/gpu_check.sh names no default results directory"
+    reports = [Path(results[1]) / r for r in (bench_gpu.VERIFY_REPORT, bench_gpu.BENCH_REPORT, bench_gpu.RESULTS)]
+    return [*(Path(p) for p in re.findall(r":-\$repo/([\w./-]+)\}", script)), *reports]
 
 
 # The commands README.md names -> the paths they write, from the writers' own path functions.
@@ -165,6 +170,13 @@ def fake_transformer_latency(bt) -> str:
     return bt.transformer_markdown(results, 1, 0.0, test_samples)
 
 
+def fake_gpu_bench() -> str:
+    manifest = {"bench": [{"label": "l", "op": "int_layernorm", "torch": "layer_norm", "rows": 1, "n": 8, "bytes": 16}]}
+    runs = {"l": {"status": "ok", "elements": 8, "time_us": 1.0}}
+    _, table = bench_gpu.bench_table(manifest, runs, {"layer_norm.float16.1x8": 2.0}, "torch")
+    return bench_gpu.bench_report("a GPU", table)
+
+
 def fake_bench() -> str:
     pytest.importorskip("tvm")  # the kernel section's writer imports it
     from benchmarks import __main__ as runner
@@ -209,6 +221,7 @@ FAKE_REPORTS: dict[Path, Callable[[], str]] = {
     make_out("demo") / "deploy.md": fake_deploy,
     make_out("bench"): fake_bench,
     make_out("fpga-report"): fake_fpga,
+    gpu_check_outputs()[-2]: fake_gpu_bench,
 }
 
 
