@@ -1,7 +1,7 @@
-"""The GPU schedule: block per row, threads over columns, integer-only, run for real on PoCL.
+"""The GPU schedule: a warp or a block per row, threads over columns, integer-only, run for real on PoCL.
 
 The schedule's structure is checked on the scheduled module and the generated
-source (threads bound, reductions across threads into shared memory, per-row
+source (threads bound, reductions across threads into registers, per-row
 scalars in registers, block sizes within every GPU target); its launch
 geometry is checked against the shapes it is called with; and its OpenCL form
 runs on PoCL (CPU OpenCL, real work-groups and barriers), bit-exact with the

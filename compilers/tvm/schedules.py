@@ -2,7 +2,7 @@
 
 A kernel's arithmetic is target-independent (the op's own fixedpoint code on
 TIR); only its loop structure differs between a vector CPU (rows in parallel,
-channels in SIMD lanes), a GPU (a block per row, threads over channels) and
+channels in SIMD lanes), a GPU (a warp or a block per row, threads over channels) and
 plain C for HLS (serial loops an HLS tool pipelines itself).  Kernels are built
 in two ways, and a schedule says what to do for each:
 
