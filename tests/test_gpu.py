@@ -39,7 +39,7 @@ from qnorm.verify.vectors import run_batches, vector_elements
 
 ONE_PER_FAMILY = (
     "int_layernorm.int8.n768",  # several columns per thread, warp-shuffle reductions
-    "int_layernorm.int16.n48",  # a row that does not fill its threads: masked columns
+    "int_layernorm.int16.n48",  # int16 rows: the wider datapath
     "l1_layernorm.int4.n7.trunc",
     "shift_layernorm.int8.n64.m2",
     "int_rmsnorm.int8.n64.p025",  # a reduction over a prefix of the row
@@ -47,7 +47,7 @@ ONE_PER_FAMILY = (
     "multithreshold.int8.c16.s3.floor",
     "mpbn_lif.int8.c16.soft.gt.noleak",
     "folded_lif.int4.c8.soft.ge.leak05",
-    "softmax.int8.n197",  # a max and a sum reduction across threads, table loads
+    "softmax.int8.n197",  # reductions across threads, table loads; 16 threads x 13 columns: masked
 )
 ELEMENTS = 4096  # random elements per case in the normal run (edge/exhaustive sets come on top)
 
@@ -106,10 +106,11 @@ def test_row_reductions_leave_their_result_in_registers_and_row_scalars_stay_the
 
 
 def test_column_threads_and_rows_per_block() -> None:
-    ns = (1, 2, 7, 48, 64, 768, 1024, 1025, 4096)
-    assert [column_threads(n) for n in ns] == [1, 2, 8, 32, 32, 32, 32, 256, 256]
+    ns = (1, 7, 16, 17, 48, 64, 65, 256, 257, 768, 1024, 1025, 4096)
+    assert [column_threads(n) for n in ns] == [1, 1, 1, 2, 4, 4, 8, 16, 32, 32, 32, 256, 256]
     assert [row_geometry(n) for n in ns] == [
-        (1, 256), (2, 128), (8, 32), (32, 8), (32, 8), (32, 8), (32, 8), (256, 1), (256, 1)
+        (1, 256), (1, 256), (1, 256), (2, 128), (4, 64), (4, 64), (8, 32), (16, 16), (32, 8), (32, 8),
+        (32, 8), (256, 1), (256, 1),
     ]
     assert all(tx * ty == MAX_BLOCK_THREADS for tx, ty in map(row_geometry, range(1, 5000)))
 

@@ -228,11 +228,11 @@ def test_a_plan_runs_on_pocl_to_its_expected_outputs(tmp_path: Path) -> None:
     (launch,) = replay["launches"]
     assert launch[:8] == [
         "main_kernel",
-        "2",  # 32 rows of 7 columns a block: 37 rows take two, the second 5/32 full
+        "1",  # a thread per row of 7 columns, 256 rows a block: 37 rows take one, masked past 37
         "1",
         "1",
-        "8",
-        "32",
+        "1",
+        "256",
         "1",
         str(len(compiled.device.kernels[0].params)),
     ]

@@ -5,14 +5,21 @@ One schedule serves CUDA and OpenCL (:mod:`compilers.tvm.cuda`, :mod:`compilers.
 
 * the output's leading axes are fused into one row loop, split over
   ``blockIdx.x`` and ``threadIdx.y``: :func:`row_geometry` gives a row of
-  ``n <= WARP_ROW_LIMIT`` columns at most a warp of threads and puts
-  ``MAX_BLOCK_THREADS / tx`` rows in a block; a longer row takes a whole block.
-  Measured on an H200 (``scripts/gpu_check.sh``): every thread of a row runs
-  the row's scalar chain (below), so eight warps on a row of 768 ran it eight
-  times: a warp per row took 12.8 µs at (4096, 768) against 32.5 µs with a
-  block per row; at (1024, 4096) a warp per row leaves too few warps to hide
-  latency (50 µs against 14 µs).  The last block's rows past ``rows`` are
-  masked inside every stage, as out-of-range columns are;
+  ``n <= WARP_ROW_LIMIT`` columns ``tx`` threads, about ``COLUMNS_PER_THREAD``
+  columns each and at most a warp, and puts ``MAX_BLOCK_THREADS / tx`` rows in a
+  block; a longer row takes a whole block.  Measured on an H200
+  (``scripts/gpu_check.sh``): every thread of a row runs the row's scalar chain
+  (below), so eight warps on a row of 768 ran it eight times: a warp per row
+  took 12.8 µs at (4096, 768) against 32.5 µs with a block per row (16 threads
+  a row: 18.6 µs).  Shorter rows share a warp: the four norms together took
+  47 µs at (49152, 64) with 4 threads a row, 51 with 8, 78 with 16 and 134 with
+  32, and 54 µs at (16384, 256) with 16 threads a row, 62 with 8 and 65 with 32
+  (ShiftLayerNorm, whose chain is the shortest, alone prefers more threads).
+  At (1024, 4096) a warp per row leaves too few warps to hide latency (50 µs
+  against 14 µs for IntLayerNorm), at (2048, 2048) too (23.6 against 18.3 µs),
+  at (4096, 1024) not (15.5 against 30.6 µs).  The
+  last block's rows past ``rows`` are masked inside every stage, as
+  out-of-range columns are;
 * the columns of a row are split over ``threadIdx.x`` (consecutive threads read
   consecutive columns: coalesced), a thread taking every ``tx``-th column;
 * a row reduction (``row_sum*``) splits its reduction axis the same way and is a
@@ -56,6 +63,7 @@ from compilers.tvm.schedules import ChannelBody, Schedule
 MAX_BLOCK_THREADS = 256  # the smallest max_threads among the GPU targets (OpenCL: 256)
 WARP = 32  # threads of a row that reduce by shuffles alone on CUDA
 WARP_ROW_LIMIT = 1024  # the longest row that runs on at most a warp (see the module docstring)
+COLUMNS_PER_THREAD = 16  # a short row's columns per thread (see the module docstring)
 _COMM_REDUCE = 2  # IterVar.iter_type of a reduction block axis
 LOWERING_CONFIG = {"tirx.disable_storage_rewrite": True, "tirx.disable_cse_tir": True}  # see lower()
 _DATA_PAR = 0  # IterVar.iter_type of a data-parallel block axis
@@ -64,13 +72,15 @@ _THREAD_TAGS = ("blockIdx.", "threadIdx.")
 
 
 def column_threads(n: int) -> int:
-    """Threads over one row of ``n`` columns: the power of two covering it, at most a
-    warp for rows up to :data:`WARP_ROW_LIMIT`, else a block.
+    """Threads over one row of ``n`` columns: for rows up to :data:`WARP_ROW_LIMIT`, the
+    power of two that gives each about :data:`COLUMNS_PER_THREAD` columns, at most a warp;
+    a longer row takes a block.
 
     A power of two keeps TVM's allreduce on its warp-shuffle path.
     """
-    cap = WARP if n <= WARP_ROW_LIMIT else MAX_BLOCK_THREADS
-    return min(cap, 1 << max(n - 1, 0).bit_length())
+    if n > WARP_ROW_LIMIT:
+        return MAX_BLOCK_THREADS
+    return min(WARP, 1 << max(-(-n // COLUMNS_PER_THREAD) - 1, 0).bit_length())
 
 
 def row_geometry(n: int) -> tuple[int, int]:
