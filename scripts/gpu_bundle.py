@@ -8,7 +8,7 @@ host without TVM or the project's venv runs with nvcc and compilers/tvm/harness/
   the stored golden vectors and this run's edge, exhaustive and random vectors
   (as ``qnorm verify`` runs them) with the golden outputs, compared element by
   element on the GPU;
-* ``bench/`` — the int8 norm kernels at (4096, 768) and (1024, 4096), one plan
+* ``bench/`` — the int8 norm kernels at (4096, 768), (1024, 4096) and (49152, 64), one plan
   each: a seeded random input, the golden output's CRC-32, timed launches;
 * ``manifest.json`` — what the bundle holds (cases and their vector widths,
   benchmark shapes and bytes moved), read by benchmarks/bench_gpu.py.
@@ -37,7 +37,7 @@ from qnorm.verify.vectors import DEFAULT_ELEMENTS, Batch, run_batches
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "out" / "gpu_bundle"
 SEED = 0  # run vectors: the seed of a default `qnorm verify`
-BENCH_SHAPES = ((4096, 768), (1024, 4096))
+BENCH_SHAPES = ((4096, 768), (1024, 4096), (49152, 64))
 # (benchmark op, the verify case whose config it takes at another row length, torch op)
 BENCH_OPS = (
     ("int_layernorm", "int_layernorm.int8.n64", "layer_norm"),

@@ -9,7 +9,7 @@
 #      nvcc builds PTX + cubin for sm_80 and sm_90, the golden model writes the inputs
 #      and expected outputs (the stored golden vectors plus the edge, exhaustive and
 #      random vectors of a default `qnorm verify`), and the int8 norm kernels at
-#      (4096,768) and (1024,4096) get benchmark plans.  BUNDLE defaults to
+#      (4096,768), (1024,4096) and (49152,64) get benchmark plans.  BUNDLE defaults to
 #      out/gpu_bundle (ignored by git, about 20 MiB).  The harness is compiled once
 #      too, so a harness that does not build fails here.
 #
