@@ -140,8 +140,10 @@ def _spread_over_threads(
     by another thread's stage) splits its innermost loop over the row's
     threads.  A reduction's result is kept in every thread's registers (TVM's
     allreduce hands it to all of them); a per-element stage's results are shared
-    memory, the only way another thread reads them.  A per-row scalar stage has
-    no loop and stays in each thread's registers.
+    memory, the only way another thread reads them (no kernel here has one: with
+    several rows a block TVM 0.27 would size it by the rows left at the last
+    block and refuse to build it).  A per-row scalar stage has no loop and stays
+    in each thread's registers.
     """
     loops = sch.get_loops(block)
     anchor = next(i for i, lp in enumerate(loops) if sch.get(lp).same_as(sch.get(row)))
