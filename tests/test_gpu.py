@@ -206,7 +206,7 @@ def test_opencl_beyond_one_block_of_columns(name: str, change: dict) -> None:
     assert check_on_pocl(case, 4 * vector_elements(case), with_golden=False) > 0
 
 
-@pytest.mark.parametrize("name", ["int_layernorm.int8.n768", "l1_layernorm.int4.n7.trunc"])
+@pytest.mark.parametrize("name", ["int_layernorm.int8.n768", "l1_layernorm.int8.n64", "l1_layernorm.int4.n7.trunc"])
 def test_opencl_rows_that_leave_the_last_block_part_empty(name: str) -> None:
     """Several rows share a block; a call whose rows are not a multiple of them masks the rest."""
     opencl = opencl_or_skip()

@@ -300,7 +300,7 @@ def test_gpu_check_prepare(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(manifest["cases"]) == len(CASES) and len(manifest["bench"]) == 8
+    assert len(manifest["cases"]) == len(CASES) and len(manifest["bench"]) == 12  # 3 shapes x 4 norms
     assert (
         sum(p.stat().st_size for p in tmp_path.rglob("*")) < 48 * 2**20
     )  # a bundle small enough to copy to a GPU host
