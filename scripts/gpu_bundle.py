@@ -90,7 +90,7 @@ def write_case(root: Path, case: Case, elements: int) -> dict[str, Any]:
 
 def bench_case(op_name: str, base: str, n: int) -> Case:
     """The verify case ``base`` at row length ``n`` (same formats, rounding, options)."""
-    return Case(f"bench.{op_name}.n{n}", op_name, {**case_named(base).config, "n": n})
+    return case_named(base).derived(f"bench.{op_name}.n{n}", n=n)
 
 
 def write_bench(root: Path) -> list[dict[str, Any]]:

@@ -52,12 +52,6 @@ ONE_PER_FAMILY = (
 ELEMENTS = 4096  # random elements per case in the normal run (edge/exhaustive sets come on top)
 
 
-def wide(name: str, n: int) -> Case:
-    """The verify case ``name`` on rows of ``n`` columns."""
-    base = case_named(name)
-    return Case(f"{name}.n{n}", base.op, {**base.config, "n": n})
-
-
 @functools.cache
 def gpu_kernel(name: str):
     return kernel_for(case_named(name).build(), GPU)
@@ -98,8 +92,8 @@ def test_row_reductions_leave_their_result_in_registers_and_row_scalars_stay_the
     assert "row_sum_local" in src and "stat_local" in src
     # A row of 4096 runs on a block: warps combine through shared memory, the result
     # comes back into every thread's registers.
-    src = lower(kernel_for(wide("int_layernorm.int8.n768", 4096).build(), GPU).mod,
-                tvm_target(load_target("cuda"))).source
+    wide = case_named("int_layernorm.int8.n768").derived("int_layernorm.int8.n4096", n=4096)
+    src = lower(kernel_for(wide.build(), GPU).mod, tvm_target(load_target("cuda"))).source
     shared = re.findall(r"__shared__[^;]*?(\w+)\[", src)
     assert shared and "__syncthreads()" in src and "row_sum_local" in src
     assert not [n for n in shared if n.startswith(("row_sum", "stat", "exp", "mant", "inv", "out"))], shared
@@ -201,8 +195,7 @@ def test_opencl_on_pocl_is_bit_exact(name: str) -> None:
     ],
 )
 def test_opencl_beyond_one_block_of_columns(name: str, change: dict) -> None:
-    base = case_named(name)
-    case = Case(f"{name}.wide", base.op, {**base.config, **change})
+    case = case_named(name).derived(f"{name}.wide", **change)
     assert check_on_pocl(case, 4 * vector_elements(case), with_golden=False) > 0
 
 

@@ -162,6 +162,16 @@ def test_run_batches_meet_the_budget_and_repeat() -> None:
     assert all(np.array_equal(a.x, b.x) for a, b in zip(first, again, strict=True))
 
 
+def test_a_derived_case_changes_only_what_it_names() -> None:
+    base = case_named("int_rmsnorm.int8.n64")
+    wide = base.derived("int_rmsnorm.int8.n256", n=256)
+    assert (wide.op, wide.width) == (base.op, 256)
+    assert {k: v for k, v in wide.config.items() if k != "n"} == {k: v for k, v in base.config.items() if k != "n"}
+    assert base.width == 64  # the catalogue's case is untouched
+    again = base.derived("int_rmsnorm.int8.n256", n=256).build()
+    assert np.array_equal(again.params.gamma, wide.build().params.gamma)  # the name seeds the parameters
+
+
 def test_exhaustive_domains() -> None:
     ln = case_named("int_layernorm.int4.n4")
     full = exhaustive_inputs(ln)

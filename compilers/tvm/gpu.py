@@ -7,8 +7,8 @@ One schedule serves CUDA and OpenCL (:mod:`compilers.tvm.cuda`, :mod:`compilers.
   ``blockIdx.x`` and ``threadIdx.y``: :func:`row_geometry` gives a row of
   ``n <= WARP_ROW_LIMIT`` columns ``tx`` threads, about ``COLUMNS_PER_THREAD``
   columns each and at most a warp, and puts ``MAX_BLOCK_THREADS / tx`` rows in a
-  block; a longer row takes a whole block.  Measured on an H200
-  (``scripts/gpu_check.sh``): every thread of a row runs the row's scalar chain
+  block; a longer row takes a whole block.  Measured on an H200 (plans of the
+  int8 norms through ``gpu_harness.cu``): every thread of a row runs the row's scalar chain
   (below), so eight warps on a row of 768 ran it eight times: a warp per row
   took 12.8 µs at (4096, 768) against 32.5 µs with a block per row (16 threads
   a row: 18.6 µs).  Shorter rows share a warp: the four norms together took

@@ -67,6 +67,11 @@ class Case:
         cfg = self.config
         return cfg["steps"] if self.layout == TIME else cfg["n"] if self.layout == ROWS else cfg["channels"]
 
+    def derived(self, name: str, **change: Any) -> Case:
+        """This case under another name with some config entries changed (a wider row,
+        more channels): the name seeds its parameters, so the same name gives the same op."""
+        return Case(name, self.op, {**self.config, **change})
+
     @property
     def seed(self) -> int:
         """A stable per-case seed (crc32 is the same on every platform and Python run)."""
