@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from qnorm import report_softmax
+from qnorm import report_lanes16, report_softmax
 from qnorm.fixedpoint import Dyadic
 from qnorm.metrics import error_in_lsb
 from qnorm.ops import IntRMSNorm
@@ -134,6 +134,7 @@ def error_table_markdown(
     *,
     activations: list[ActivationRow],
     softmax: list[report_softmax.SoftmaxResult],
+    lanes16: list[report_lanes16.FloorRow],
 ) -> str:
     """The text of ``error_table.md``: one section per kind of op."""
     return "\n\n".join([
@@ -144,6 +145,7 @@ def error_table_markdown(
         + activation_markdown(activations),
         "## Softmax: integer op vs float64 softmax (same dequantized logits, masks included)\n\n"
         + report_softmax.markdown_table(softmax),
+        "## 16-bit element chains: the error floor (a model, not a datapath)\n\n" + report_lanes16.markdown_table(lanes16),
     ])
 
 
@@ -155,7 +157,9 @@ def run_demo(out: Path, seed: int = 0) -> str:
     spiking = measure_spiking(seed)
     mt = measure_multithreshold(seed)
     softmax = report_softmax.measure_all(seed)
-    text = error_table_markdown(norms, spiking, mt, activations=measure_activations(), softmax=softmax)
+    text = error_table_markdown(
+        norms, spiking, mt, activations=measure_activations(), softmax=softmax, lanes16=report_lanes16.measure(seed)
+    )
     (out / ERROR_TABLE).write_text(text + "\n")
     save_histogram(norms, out / ERROR_HIST)
     print(text)

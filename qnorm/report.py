@@ -78,12 +78,15 @@ def output_format(bits: int) -> QFormat:
     return QFormat.power_of_two(bits, math.ceil(math.log2(OUT_RANGE)) - (bits - 1))
 
 
-def measure_norm(name: str, build: NormBuilder, dist: str, n: int, bits: int, seed: int = 0) -> CaseResult:
+def case_rows(dist: str, n: int, bits: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One cell's real-valued rows (about ELEMENTS_PER_CASE values), γ ~ N(1, 0.1) and β ~ N(0, 0.1)."""
     rng = np.random.default_rng([seed, n, bits, list(DISTRIBUTIONS).index(dist)])
-    rows = max(8, ELEMENTS_PER_CASE // n)
-    x = DISTRIBUTIONS[dist](rng, rows, n)
-    gamma = 1.0 + 0.1 * rng.normal(size=n)
-    beta = 0.1 * rng.normal(size=n)
+    x = DISTRIBUTIONS[dist](rng, max(8, ELEMENTS_PER_CASE // n), n)
+    return x, 1.0 + 0.1 * rng.normal(size=n), 0.1 * rng.normal(size=n)
+
+
+def measure_norm(name: str, build: NormBuilder, dist: str, n: int, bits: int, seed: int = 0) -> CaseResult:
+    x, gamma, beta = case_rows(dist, n, bits, seed)
     in_fmt, out_fmt = input_format(x, bits), output_format(bits)
     try:
         op = build(gamma, beta, EPS, in_fmt, out_fmt)

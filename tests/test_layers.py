@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nn", ("qnorm.nn",)),
     ("passes/deploy", ("qnorm.passes", "qnorm.deploy")),
     ("compilers", ("compilers",)),
-    ("verify", ("qnorm.verify", "qnorm.report", "qnorm.report_softmax", "qnorm.report_activation")),
+    ("verify", ("qnorm.verify", "qnorm.report", "qnorm.report_softmax", "qnorm.report_activation", "qnorm.report_lanes16")),
     ("train", ("qnorm.train",)),
     ("export", ("qnorm.export", "qnorm.custom_op")),
     ("demo", ("qnorm.demo",)),

@@ -27,6 +27,7 @@ from qnorm.demo import (
 from qnorm.metrics import ErrorStats
 from qnorm.report import BIT_WIDTHS, ROW_LENGTHS, CaseResult
 from qnorm.report_activation import ActivationRow
+from qnorm.report_lanes16 import FloorCell, FloorRow
 from qnorm.report_softmax import ROW_LENGTHS as SOFTMAX_ROW_LENGTHS
 from qnorm.report_softmax import SoftmaxResult
 from qnorm.train.cli import DEFAULT_OUT as TRAIN_OUT
@@ -140,7 +141,9 @@ def fake_error_table() -> str:
     return error_table_markdown(norms, [SpikingRow("hard reset", 1.0, 0)],
                                 [MultiThresholdRow("uint4 activation", 1.0, 0.0, 0)],
                                 activations=[ActivationRow("int_gelu", "int8", "table", 256, 0, 0.5, 0.1, 1.0)],
-                                softmax=softmax)
+                                softmax=softmax,
+                                lanes16=[FloorRow("IntLayerNorm (L2)", "int32 (the definition)",
+                                                  {n: FloorCell(0.5, 0.002) for n in ROW_LENGTHS})])
 
 
 def fake_accuracy() -> str:
