@@ -191,7 +191,10 @@ class RangeReport:
 #   ``accumulator_bits - 1`` bits: fixedpoint's rounding adds a half before a
 #   shift and doubles remainders, so one bit is headroom (as SAFE_INT64_BITS is
 #   for int64); an intermediate no rounding takes (``Interval.unrounded``) may
-#   use that bit too.
+#   use that bit too.  A norm's per-row multiplier and offset in the narrow lanes
+#   are a0 and c0 shifted left by the row's ``up`` and consumed modulo 2^lanes;
+#   on a target whose kernels take them so (``wraps_lane_constants``) the
+#   accumulators are a0 and c0 (``op.lane_wrapped()``), the shift being wiring.
 # * ``multiplier_bits`` — the narrow operand width of one hardware multiply (the
 #   18-bit port of a 27x18 DSP48E2; 64 on CPUs).  **Products** are the
 #   multiplications of an op's body, which its class lists (``multiplications``)
@@ -276,11 +279,28 @@ def _segment_slope(op: Any, rep: RangeReport) -> Product | None:
     return _product(rep, "t·slope", Interval(0, (1 << op.segments.bits) - 1), rep["slope"])
 
 
+def _offset_fraction(op: Any, rep: RangeReport) -> Product | tuple[Product, ...]:
+    """round(D·a0 / N) of a norm's offset: D·a0, or where the op splits it at k
+    (qnorm.ops._normcore.offset_fraction) D·(a0 >> k), D·(a0 mod 2^k) and their
+    accumulation ρ·2^k + D·(a0 mod 2^k) < N·2^(k+1)."""
+    d, consts = Interval(0, op.config.n - 1), op.row_constants()
+    k = consts.offset_split
+    if not k:
+        return _product(rep, "D·a0 (in offset)", d, consts.mult)
+    low = _product(rep, "D·(a0 mod 2^k) (in offset)", d, Interval(0, (1 << k) - 1))
+    total = Interval(0, ((op.config.n - 1) << k) + low.result.hi)
+    return (
+        _product(rep, "D·(a0 >> k) (in offset)", d, Interval(consts.mult.lo >> k, consts.mult.hi >> k)),
+        low,
+        Product("ρ·2^k + D·(a0 mod 2^k) (in offset)", total, Interval.point(1), None, total),
+    )
+
+
 # How each multiplication an op body can make is formed, by the name an op class
 # lists in its ``multiplications`` (the op declares which it makes, next to its
 # body; the analysis bounds them from the range report).  None: not made by this
 # instance (a LIF neuron without leak).
-_FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
+_FORMULAS: dict[str, Callable[[Any, RangeReport], Product | tuple[Product, ...] | None]] = {
     "centered": lambda op, rep: _product(rep, "N·x (in centered)", Interval.point(op.config.n), _in_interval(op)),
     "sum_sq": lambda op, rep: _square("x·x (in sum_sq)", _in_interval(op)),
     "n_sum_sq": lambda op, rep: _product(rep, "N·sum_sq", Interval.point(op.config.n), rep["sum_sq"], "n_sum_sq"),
@@ -298,11 +318,14 @@ _FORMULAS: dict[str, Callable[[Any, RangeReport], Product | None]] = {
         if "square_low" in rep.items
         else None
     ),
-    # the per-row multiplier N·r and offset round(Σx·a/N) = a·floor(Σx/N) + round(D·a/N), D < N
+    # stage 3 per row (qnorm.ops._normcore.row_affine_parts): N·r, shifted right by j_r into
+    # a0; c0 = a0·m + round(D·a0 / N) with m = floor(Σx / N), D = Σx − N·m in [0, N); then a
+    # and c are a0 and c0 shifted left by up
     "mult": lambda op, rep: _product(
-        rep, f"N·{op.inverse_name}", Interval.point(op.config.num_mult), rep[op.inverse_name], "mult"
+        rep, f"N·{op.inverse_name} (in mult)", Interval.point(op.config.num_mult), rep[op.inverse_name]
     ),
-    "offset": lambda op, rep: _product(rep, "mult·mean (in offset)", rep["mult"], _in_interval(op), "offset"),
+    "offset": lambda op, rep: _product(rep, "a0·mean (in offset)", op.row_constants().mult, _in_interval(op)),
+    "offset_fraction": lambda op, rep: _offset_fraction(op, rep),
     "xa": lambda op, rep: _product(rep, "x·mult", _in_interval(op), rep["mult"], "xa"),
     "scaled": lambda op, rep: _product(rep, "zc·gain", rep["zc"], _interval_of(op.config.gain), "scaled"),
     "x_slope": lambda op, rep: _product(rep, "x·slope", _in_interval(op), _interval_of(op._slope), "bn_product"),
@@ -338,7 +361,7 @@ def products(op: Any, rep: RangeReport | None = None) -> list[Product]:
         raise ValueError(f"op {op.name!r} lists multiplications the analysis cannot bound: {unknown}")
     rep = op.ranges() if rep is None else rep
     made = (_FORMULAS[name](op, rep) for name in names)
-    return [p for p in made if p is not None]
+    return [p for m in made if m is not None for p in (m if isinstance(m, tuple) else (m,))]
 
 
 def check_target(op: Any, target: Any) -> RangeReport:
@@ -352,7 +375,11 @@ def check_target(op: Any, target: Any) -> RangeReport:
     prods = products(op, rep)
     where = f"{target.name} ({target.path})"
     limit = hw.accumulator_bits - 1
-    held = [*rep.items.items(), *((p.formula, p.result) for p in prods if p.intermediate is None)]
+    # where the target takes them modulo its lanes, an op's shifted per-row constants
+    # are held as the values accumulated before their shift
+    wrapped = op.lane_wrapped() if hw.wraps_lane_constants and hasattr(op, "lane_wrapped") else {}
+    named = [(f"{n} before its left shift" if n in wrapped else n, wrapped.get(n, iv)) for n, iv in rep.items.items()]
+    held = [*named, *((p.formula, p.result) for p in prods if p.intermediate is None)]
     for name, iv in held:
         if not iv.fits(limit):
             holds = (

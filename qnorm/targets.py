@@ -19,7 +19,7 @@ those.)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -95,6 +95,10 @@ class Hardware:
     has_divider: bool
     vector_bits: int
     max_threads: int | None = None  # threads per block/work-group; None: no fixed limit
+    # The kernels the target runs take a norm's per-row multiplier and offset modulo
+    # 2^lanes (TVM's: x·a − c is formed in unsigned lanes), so they hold the values the
+    # row accumulates before its exact left shift; False: every value at its full width
+    wraps_lane_constants: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,9 +239,7 @@ def load_target_file(path: Path, cpuinfo: str | None = None) -> Target:
         if tvm.get("mcpu") == HOST:
             tvm["mcpu"] = level
         if hw.vector_bits == HOST:
-            hw = Hardware(
-                hw.accumulator_bits, hw.multiplier_bits, hw.has_divider, vbits, hw.max_threads
-            )
+            hw = replace(hw, vector_bits=vbits)
     return Target(
         name=name,
         description=description,
@@ -394,7 +396,7 @@ def _tvm_attrs(r: _Reader) -> dict[str, Any]:
 
 
 def _hardware(r: _Reader) -> Hardware:
-    r.only({"accumulator_bits", "multiplier_bits", "has_divider", "vector_bits", "max_threads"})
+    r.only({"accumulator_bits", "multiplier_bits", "has_divider", "vector_bits", "max_threads", "wraps_lane_constants"})
     acc = r.int_in("accumulator_bits", 8, 128)
     mul = r.int_in("multiplier_bits", 2, 64)
     if mul > acc:
@@ -408,6 +410,7 @@ def _hardware(r: _Reader) -> Hardware:
         has_divider=r.req("has_divider", bool),
         vector_bits=r.int_in("vector_bits", 0, 4096, allow_host=True),
         max_threads=max_threads,
+        wraps_lane_constants=r.opt("wraps_lane_constants", bool, False),
     )
 
 

@@ -196,7 +196,7 @@ def test_tiny_variance_rows_take_the_left_shift():
     op = make_op("int_ln", 64, "int8", eps=0.0, frac_bits=24)
     row = np.zeros((1, 64), dtype=np.int64)
     row[0, 0] = 1
-    _, _, up, k = row_affine_parts(*op.row_inverse(row), op.config, op._mult_shift)
+    _, _, up, k = row_affine_parts(*op.row_inverse(row), op.config, op._mult_shift, op._offset_split)
     assert int(up.max()) > 0 and int(k.max()) == 0
     assert np.array_equal(ElementChain(op)(torch.from_numpy(row)).numpy(), op.forward(row))
 

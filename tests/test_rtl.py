@@ -245,7 +245,7 @@ def test_norm_datapath_alone_computes_the_op_from_given_row_values(name: str) ->
     unit = NormUnit(op, row_engine=False)
     assert (unit.passes, unit.row_depth) == (1, 0)
     row = random_inputs(case, np.random.default_rng(3), 1)[:1]
-    values = [v for v in row_affine(*op.row_inverse(row), op.config, op._mult_shift, None) if not isinstance(v, int)]
+    values = [v for v in row_affine(*op.row_inverse(row), op.config, op._mult_shift, None, op._offset_split) if not isinstance(v, int)]
     assert len(values) == len(unit.row_values)  # an uncentred op has no offset: c = 0, no port
     held = [(port, int(np.asarray(v).item())) for port, v in zip(unit.row_values.values(), values, strict=True)]
     rows = np.repeat(row, 3, axis=0)

@@ -220,15 +220,17 @@ def test_product_tables_cover_the_families() -> None:
         "x·x (in sum_sq)",
         "n_sum_sq = N·sum_sq",
         "sum_squared = sum·sum",
-        "mult = N·rsqrt",
-        "offset = mult·mean (in offset)",
+        "N·rsqrt (in mult)",
+        "a0·mean (in offset)",
+        "D·a0 (in offset)",
         "xa = x·mult",
         "scaled = zc·gain",
     ]
     assert labels["shift_layernorm"] == [  # scales by shifts: no zc·gain
         *labels["int_layernorm"][:3],
-        "mult = N·rsqrt_pow2",
-        "offset = mult·mean (in offset)",
+        "N·rsqrt_pow2 (in mult)",
+        "a0·mean (in offset)",
+        "D·a0 (in offset)",
         "xa = x·mult",
     ]
     assert labels["multithreshold"] == []

@@ -82,6 +82,8 @@ def test_facts_the_analysis_relies_on():
     ) == (48, 18, False)
     assert cuda.tvm_host_spec() == {"kind": "llvm"} and cuda.hardware.max_threads == 1024
     assert x86.runs_natively and x86.hardware.has_divider
+    # TVM's kernels take a norm's per-row constants modulo the lanes; the RTL builds them whole
+    assert hls.hardware.wraps_lane_constants and not load_target("fpga-rtl").hardware.wraps_lane_constants
     assert load_target("aarch64").run.emulator == "qemu-aarch64"
 
 
@@ -152,6 +154,12 @@ def test_missing_field_is_named(tmp_path, line, field):
             "has_divider = true",
             "has_divider = 1",
             "hardware.has_divider",
+            "must be a boolean, got integer",
+        ),
+        (
+            "has_divider = true",
+            "has_divider = true\nwraps_lane_constants = 1",
+            "hardware.wraps_lane_constants",
             "must be a boolean, got integer",
         ),
         (

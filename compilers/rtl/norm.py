@@ -134,7 +134,7 @@ def norm_graph(op: NormOp) -> tuple[Graph, Hdl]:
     w = add_eps(s, cfg, trace)
     e, m = split_exponent(w, cfg, op._stat_bits, trace)
     r = op._inverse(m, trace)
-    a, c, k = row_affine(s1, r, e, cfg, op._mult_shift, trace)
+    a, c, k = row_affine(s1, r, e, cfg, op._mult_shift, trace, op._offset_split)
     rows = [v for v in (a, c, k) if isinstance(v, Hdl)]
     latched = [graph.latch(v) for v in rows]
     a_l, k_l = latched[0], latched[-1]

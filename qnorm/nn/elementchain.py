@@ -150,7 +150,7 @@ class ElementChain:
             if not self.fused:
                 return torch.from_numpy(self.op._forward(x, None))
             s1, r, e = self.op.row_inverse(x)
-            a0, c0, up, k = row_affine_parts(s1, r, e, self.op.config, self.op._mult_shift)
+            a0, c0, up, k = row_affine_parts(s1, r, e, self.op.config, self.op._mult_shift, self.op._offset_split)
         return torch.from_numpy(self._elements(x, a0, c0, up, k))
 
     def _run(self, ints: torch.Tensor, dtype: type, scale: float | None) -> np.ndarray:

@@ -450,7 +450,9 @@ def split_exponent(w: Any, cfg: NormConfig, stat_bits: int, trace: Trace | None)
     return e, record(trace, "mant", m)
 
 
-def row_affine(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace: Trace | None) -> tuple[Any, Any, Any]:
+def row_affine(
+    s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace: Trace | None, offset_split: int
+) -> tuple[Any, Any, Any]:
     """Stage 3's per-row constants: multiplier a, offset c (0 for an uncentered
     numerator) and the shift K of ``z = round((x·a − c) / 2^K)``.
 
@@ -461,16 +463,19 @@ def row_affine(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, trace:
     variance) is folded into a and c as an exact left shift, so K >= 0 and the
     per-element path has one right shift.  ``c = round(Σx · a / N)``, formed as
     ``a·m + round(D·a / N)`` with ``m = floor(Σx / N)``, ``D = Σx − N m`` (no
-    product wider than the row's own values): x·a − c then equals
-    ``num · a / N`` within 1, so a constant row gives exactly 0.
+    product wider than the row's own values; ``offset_split``: see
+    :func:`offset_fraction`): x·a − c then equals ``num · a / N`` within 1, so a
+    constant row gives exactly 0.
     """
-    a0, c0, up, k = row_affine_parts(s1, r, e, cfg, mult_shift)
+    a0, c0, up, k = row_affine_parts(s1, r, e, cfg, mult_shift, offset_split)
     a = record(trace, "mult", a0 << up)
     c = record(trace, "offset", c0 << up) if cfg.centered else 0
     return a, c, record(trace, "z_shift", k)
 
 
-def row_affine_parts(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int) -> tuple[Any, Any, Any, Any]:
+def row_affine_parts(
+    s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int, offset_split: int
+) -> tuple[Any, Any, Any, Any]:
     """:func:`row_affine` before its exact left shift: ``(a0, c0, up, K)`` with
     ``a = a0 · 2^up`` and ``c = c0 · 2^up`` (c0 = 0 for an uncentered numerator).
 
@@ -484,10 +489,28 @@ def row_affine_parts(s1: Any, r: Any, e: Any, cfg: NormConfig, mult_shift: int) 
     a0 = rshift_round(r * cfg.num_mult, jr, mode)
     if cfg.centered:
         m = div_round(s1, cfg.n, Round.FLOOR)
-        c0 = a0 * m + div_round((s1 - m * cfg.n) * a0, cfg.n, mode)
+        c0 = a0 * m + offset_fraction(s1 - m * cfg.n, a0, cfg.n, mode, offset_split)
     else:
         c0 = 0
     return a0, c0, up, k0 - jr + up
+
+
+def offset_fraction(d: Any, a0: Any, n: int, mode: Round, split: int) -> Any:
+    """``round(D·a0 / N)`` for 0 <= D < N and a0 >= 0: the offset's fraction of a row.
+
+    With ``split`` = k >= 1 (:func:`offset_split_bits`: where D·a0 could leave the
+    narrow datapath's row accumulator) it is formed from ``a0 = h·2^k + l`` in two
+    narrower products: ``D·h = q·N + ρ`` with 0 <= ρ < N, so
+    ``D·a0 = q·N·2^k + (ρ·2^k + D·l)`` and ``round(D·a0 / N) = q·2^k + round((ρ·2^k + D·l) / N)``
+    in every rounding mode (q·2^k is an even integer: half-even's ties see the same
+    parity), with ρ·2^k + D·l < N·2^(k+1).  The same integer on every target, on any
+    integer values (numpy, torch, TIR, HDL)."""
+    if not split:
+        return div_round(d * a0, n, mode)
+    h = a0 >> split
+    dh = d * h
+    q = div_round(dh, n, Round.FLOOR)
+    return (q << split) + div_round(((dh - q * n) << split) + d * (a0 - (h << split)), n, mode)
 
 
 def z_shift_base(cfg: NormConfig) -> int:
@@ -682,7 +705,8 @@ class RowAnalysis:
     ``items``: the report's entries through ``z``, in order; ``channel_z``: z's
     range per run of channels, ``(start, stop, interval)`` covering 0..N;
     ``stat_bits``: the bit length of W's largest value; ``mult_shift``: j, the
-    constant shift of the per-row multiplier and offset (stage 3).
+    constant shift of the per-row multiplier and offset (stage 3);
+    ``row_constants``: a0 and c0, the multiplier and offset before their left shift.
     """
 
     items: tuple[tuple[str, Interval], ...]
@@ -690,6 +714,7 @@ class RowAnalysis:
     channel_z: tuple[tuple[int, int, Interval], ...]
     stat_bits: int
     mult_shift: int
+    row_constants: RowConstants
 
 
 # Config fields that only the output stage (stage 4) reads; every other field,
@@ -1071,6 +1096,7 @@ class NormOp(IntOp):
         self._window = ints.window if formed else output_window(config, self._gain, self._bias, row.channel_z)
         self._stat_bits = row.stat_bits
         self._mult_shift = row.mult_shift
+        self._offset_split = row.row_constants.offset_split
         hulls = ints.hulls if formed else None
         self._report(config, self._gain, self._bias, self._window, row=row, hulls=hulls)  # checked
 
@@ -1188,7 +1214,7 @@ class NormOp(IntOp):
 
     def _forward(self, x: Any, trace: Trace | None) -> Any:
         cfg = self.config
-        a, c, k = row_affine(*self.row_inverse(x, trace), cfg, self._mult_shift, trace)
+        a, c, k = row_affine(*self.row_inverse(x, trace), cfg, self._mult_shift, trace, self._offset_split)
         z = normalize(x, a, c, k, cfg, trace)
         return self._output(z, trace)
 
@@ -1229,6 +1255,22 @@ class NormOp(IntOp):
         at stage ends, before a bound too wide for fixedpoint's operands is shifted,
         and every per-element stage against the datapath's lanes."""
         return self._report(self.config, self._gain, self._bias, self._window)
+
+    def row_constants(self) -> RowConstants:
+        """a0's and c0's ranges: stage 3's per-row multiplier and offset before their exact
+        left shift by up (:func:`row_affine_parts`)."""
+        return self.row_analysis(self.config).row_constants
+
+    def lane_wrapped(self) -> dict[str, Interval]:
+        """The named intermediates a target that wraps lane constants holds as what the row
+        accumulates: in the narrow lanes ``x·a − c`` is formed modulo 2^lanes (proven to
+        fit), so a and c are taken modulo 2^lanes, and the row accumulates a0 and c0, whose
+        exact left shift by up keeps their low lanes bits.  None in the wide lanes, whose
+        element stage takes the whole values."""
+        if self.config.lanes != LANES[0]:
+            return {}
+        consts = self.row_constants()
+        return {"mult": consts.mult} | ({} if consts.offset is None else {"offset": consts.offset})
 
     @classmethod
     def _report(
@@ -1271,12 +1313,12 @@ class NormOp(IntOp):
         inv = rep.add(cls.inverse_name, cls._inverse_range(cfg, m_iv))
         products = cls._products(cfg, stat, segs, inv)
         j = mult_shift(cfg, products)
-        row_affine_ranges(rep, cfg, inv, segs, j)
+        constants = row_affine_ranges(rep, cfg, inv, segs, j)
         rep.check()
         z = cls._normalized_ranges(cfg, products, j, rep)
         rep.check()  # every entry handed on is checked
         chans = cls._channel_z(cfg, stat, segs, inv, j, z)
-        return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()), j)
+        return RowAnalysis(tuple(rep.items.items()), z, chans, max(1, rep["stat"].hi.bit_length()), j, constants)
 
     @classmethod
     def _products(
@@ -1452,9 +1494,36 @@ def span_of(cfg: NormConfig) -> int:
     return cfg.in_fmt.hi - cfg.in_fmt.lo if cfg.centered else max(-cfg.in_fmt.lo, cfg.in_fmt.hi)
 
 
-def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: dict[int, Interval], j: int) -> None:
+@dataclass(frozen=True)
+class RowConstants:
+    """The per-row multiplier and offset as stage 3 forms them, before their exact left
+    shift by ``up`` (:func:`row_affine_parts`): ``a0 = round(N·r / 2^j_r)`` and
+    ``c0 = a0·m + round(D·a0 / N)`` (None for an uncentered numerator)."""
+
+    mult: Interval
+    offset: Interval | None
+    offset_split: int = 0  # k of offset_fraction's two products (0: one product)
+
+
+def offset_split_bits(cfg: NormConfig, mult: Interval) -> int:
+    """k for :func:`offset_fraction`: 0 where D·a0 (D < N) fits the narrow datapath's
+    row accumulator (``NARROW_ROW_BITS``) or the lanes are wide, else the least k >= 1
+    that puts D·(a0 >> k) there (the other part, below N·2^(k+1), is then narrower)."""
+    fits = (1 << (NARROW_ROW_BITS - 1)) - 1  # NARROW_ROW_BITS signed bits
+    if not cfg.centered or cfg.lanes != LANES[0] or (cfg.n - 1) * mult.hi <= fits:
+        return 0
+    k = 1
+    while (cfg.n - 1) * (mult.hi >> k) > fits:
+        k += 1
+    return k
+
+
+def row_affine_ranges(
+    rep: RangeReport, cfg: NormConfig, inv: Interval, segs: dict[int, Interval], j: int
+) -> RowConstants:
     """mult, offset and z_shift: the per-row constants of stage 3, over the
-    exponents' own multiplier shifts j_r = clamp(e + base, 0, j).
+    exponents' own multiplier shifts j_r = clamp(e + base, 0, j); returns a0's and
+    c0's ranges before the left shift.
 
     The per-element product x·a runs in the lanes modulo 2^lanes where a is wider
     than a lane (rows of tiny variance: j_r < j): exact, since xa itself fits."""
@@ -1468,16 +1537,20 @@ def row_affine_ranges(rep: RangeReport, cfg: NormConfig, inv: Interval, segs: di
         for jr, up in sorted({(jr, up) for jr, up, _ in shifts})
     ]
     rep.add("mult", Interval(min(lo << up for lo, _, up in mults), max(hi << up for _, hi, up in mults)))
+    row_mult = Interval(min(lo for lo, *_ in mults), max(hi for _, hi, _ in mults))
+    row_offset = None
     if cfg.centered:
-        # Σx / N in [x_lo, x_hi]: c = round(Σx·a0/N) 2^up lies in (mean·a0 ± 1) 2^up, the
-        # product's ends at the corners
+        # Σx / N in [x_lo, x_hi]: c0 = round(Σx·a0/N) lies in mean·a0 ± 1, the product's
+        # ends at the corners; c = c0 2^up
         x_lo, x_hi = cfg.in_fmt.lo, cfg.in_fmt.hi
         ends = []
         for lo, hi, up in mults:
             corners = (x_lo * lo, x_lo * hi, x_hi * lo, x_hi * hi)
-            ends.append(((min(corners) - 1) << up, (max(corners) + 1) << up))
-        rep.add("offset", Interval(min(v for v, _ in ends), max(v for _, v in ends)))
+            ends.append((min(corners) - 1, max(corners) + 1, up))
+        rep.add("offset", Interval(min(lo << up for lo, _, up in ends), max(hi << up for _, hi, up in ends)))
+        row_offset = Interval(min(lo for lo, *_ in ends), max(hi for _, hi, _ in ends))
     rep.add("z_shift", Interval(min(k for *_, k in shifts), max(k for *_, k in shifts)))
+    return RowConstants(row_mult, row_offset, offset_split_bits(cfg, row_mult))
 
 
 def check_lanes(rep: RangeReport, cfg: NormConfig) -> None:

@@ -97,7 +97,7 @@ class L1LayerNorm(NormOp):
     """L1 LayerNorm over the last axis (see the module docstring)."""
 
     name = "l1_layernorm"
-    multiplications = ("centered", "mult", "offset", "xa", "scaled")
+    multiplications = ("centered", "mult", "offset", "offset_fraction", "xa", "scaled")
     config_cls = L1NormConfig
     inverse_name = "recip"
     op_defaults = {"inv_bits": 16}

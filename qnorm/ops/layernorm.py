@@ -221,7 +221,7 @@ class IntLayerNorm(RsqrtNorm):
     """Integer LayerNorm over the last axis (see the module docstring)."""
 
     name = "int_layernorm"
-    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "xa", "scaled")
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "offset_fraction", "xa", "scaled")
     config_cls = LayerNormConfig
     op_defaults = {"inv_bits": 15}
     wide_defaults = {"mant_bits": 22, "inv_bits": 19}

@@ -212,7 +212,7 @@ class ShiftLayerNorm(NormOp):
     name = "shift_layernorm"
     # scales by shifts; the per-row multiplier N·(2^hi ± 2^lo) (rounded by 2^-j
     # for long rows) is applied to x as in every norm
-    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "xa")
+    multiplications = ("sum_sq", "n_sum_sq", "sum_squared", "square_high", "square_low", "mult", "offset", "offset_fraction", "xa")
     config_cls = ShiftNormConfig
     gain_form = "pow2"  # _quantize_gain's signed powers of two ±2^l_c
     inverse_name = "rsqrt_pow2"

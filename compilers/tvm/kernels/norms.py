@@ -157,7 +157,7 @@ def norm_kernel(op: NormOp, schedule: Schedule = CPU) -> Kernel:
     # 3. per row: multiplier, offset, shift (int64); per element: x·a − c and z in the lanes
     def affine(r: Any, tr: Any = None) -> tuple[Any, Any, Any]:
         t1 = 0 if total is None else load64(total, r)
-        a, c, k = row_affine(t1, load64(inv, r), load64(exp, r), cfg, op._mult_shift, tr)
+        a, c, k = row_affine(t1, load64(inv, r), load64(exp, r), cfg, op._mult_shift, tr, op._offset_split)
         # half up: (xa + 2^(K-1)) >> K = (x·a − (c − 2^(K-1))) >> K, the half in the row's offset
         return a, (c - ((1 << k) >> 1) if half_up else c), k
 
