@@ -281,18 +281,16 @@ def _segment_slope(op: Any, rep: RangeReport) -> Product | None:
 
 def _offset_fraction(op: Any, rep: RangeReport) -> Product | tuple[Product, ...]:
     """round(D·a0 / N) of a norm's offset: D·a0, or where the op splits it at k
-    (qnorm.ops._normcore.offset_fraction) D·(a0 >> k), D·(a0 mod 2^k) and their
-    accumulation ρ·2^k + D·(a0 mod 2^k) < N·2^(k+1)."""
+    (qnorm.ops._normcore.offset_fraction) D·(a0 >> k), then D·(a0 mod 2^k) accumulated
+    onto ρ·2^k (ρ < N): a multiply-accumulate whose result stays below N·2^(k+1)."""
     d, consts = Interval(0, op.config.n - 1), op.row_constants()
     k = consts.offset_split
     if not k:
         return _product(rep, "D·a0 (in offset)", d, consts.mult)
-    low = _product(rep, "D·(a0 mod 2^k) (in offset)", d, Interval(0, (1 << k) - 1))
-    total = Interval(0, ((op.config.n - 1) << k) + low.result.hi)
+    low = Interval(0, (1 << k) - 1)
     return (
         _product(rep, "D·(a0 >> k) (in offset)", d, Interval(consts.mult.lo >> k, consts.mult.hi >> k)),
-        low,
-        Product("ρ·2^k + D·(a0 mod 2^k) (in offset)", total, Interval.point(1), None, total),
+        Product("ρ·2^k + D·(a0 mod 2^k) (in offset)", d, low, None, Interval(0, (d.hi << k) + d.hi * low.hi)),
     )
 
 
