@@ -78,26 +78,45 @@ def output_format(bits: int) -> QFormat:
     return QFormat.power_of_two(bits, math.ceil(math.log2(OUT_RANGE)) - (bits - 1))
 
 
-def case_rows(dist: str, n: int, bits: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _case_rows(dist: str, n: int, bits: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One cell's real-valued rows (about ELEMENTS_PER_CASE values), γ ~ N(1, 0.1) and β ~ N(0, 0.1)."""
     rng = np.random.default_rng([seed, n, bits, list(DISTRIBUTIONS).index(dist)])
     x = DISTRIBUTIONS[dist](rng, max(8, ELEMENTS_PER_CASE // n), n)
     return x, 1.0 + 0.1 * rng.normal(size=n), 0.1 * rng.normal(size=n)
 
 
+@dataclass(frozen=True)
+class CaseRun:
+    """One cell's op on its quantized rows, and the float op on the same rows dequantized:
+    the float op sees what the integer op sees, which isolates the op's own integer error
+    from the input quantization both share."""
+
+    op: IntOp
+    x: np.ndarray  # the quantized rows
+    real: np.ndarray  # x dequantized
+    reference: np.ndarray  # the float op's output on ``real``, in real units
+
+
+def run_case(build: NormBuilder, dist: str, n: int, bits: int, seed: int = 0) -> CaseRun:
+    """The op ``build`` makes for one cell (:func:`_case_rows`, max-abs input calibration,
+    outputs covering ±OUT_RANGE); raises OverflowRiskError where the analysis refuses it."""
+    x, gamma, beta = _case_rows(dist, n, bits, seed)
+    in_fmt = input_format(x, bits)
+    op = build(gamma, beta, EPS, in_fmt, output_format(bits))
+    xq = in_fmt.quantize(x)
+    real = in_fmt.dequantize(xq)
+    return CaseRun(op, xq, real, op.float_reference(real))
+
+
 def measure_norm(name: str, build: NormBuilder, dist: str, n: int, bits: int, seed: int = 0) -> CaseResult:
-    x, gamma, beta = case_rows(dist, n, bits, seed)
-    in_fmt, out_fmt = input_format(x, bits), output_format(bits)
     try:
-        op = build(gamma, beta, EPS, in_fmt, out_fmt)
+        run = run_case(build, dist, n, bits, seed)
     except OverflowRiskError as err:  # a config the analysis refuses is a cell of its own, not a crash
         return CaseResult(name, dist, n, bits, None, np.zeros(0), refused=str(err))
-    xq = in_fmt.quantize(x)
-    y = op.forward(xq)
-    # The float op sees the same (dequantized) input: this isolates the op's own
-    # integer error from the input quantization, which both sides share.
-    ref = op.float_reference(in_fmt.dequantize(xq))
-    return CaseResult(name, dist, n, bits, error_in_lsb(y, out_fmt, ref), signed_error_lsb(y, out_fmt, ref))
+    y, out_fmt = run.op.forward(run.x), run.op.out_fmt
+    return CaseResult(
+        name, dist, n, bits, error_in_lsb(y, out_fmt, run.reference), signed_error_lsb(y, out_fmt, run.reference)
+    )
 
 
 def measure_all(builders: dict[str, NormBuilder], seed: int = 0) -> list[CaseResult]:

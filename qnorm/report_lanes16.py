@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qnorm.metrics import signed_error_lsb
 from qnorm.ops._normcore import NormOp
 from qnorm.ops.layernorm import IntLayerNorm
 from qnorm.ops.rmsnorm import IntRMSNorm
-from qnorm.report import DISTRIBUTIONS, EPS, ROW_LENGTHS, case_rows, input_format, output_format
+from qnorm.report import DISTRIBUTIONS, ROW_LENGTHS, run_case
 
 BITS = 8  # int8 in, int8 out: the datapath the 16-bit chain would replace
 INT16_MAX = (1 << 15) - 1
@@ -84,12 +85,13 @@ def chain16(normalized: np.ndarray, stage: OutputStage) -> np.ndarray:
     return np.clip(acc >> stage.shift, -(1 << (BITS - 1)), (1 << (BITS - 1)) - 1)
 
 
-def normalized_rows(op_cls: type[NormOp], x: np.ndarray) -> np.ndarray:
-    """x̂ in float64: (x − mean) / sqrt(var + ε) (LayerNorm) or x / sqrt(mean x² + ε) (RMSNorm)."""
-    if op_cls is IntRMSNorm:
-        return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + EPS)
-    centered = x - x.mean(axis=-1, keepdims=True)
-    return centered / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + EPS)
+def normalized_rows(op: NormOp, real: np.ndarray) -> np.ndarray:
+    """x̂ in float64: the op's float reference without its γ and β (torch's ``layer_norm``
+    or ``rms_norm``, as the references call them)."""
+    import torch.nn.functional as F
+
+    t, n, eps = op.float_rows(real), (op.config.n,), op.params.eps
+    return (F.rms_norm(t, n, None, eps) if isinstance(op, IntRMSNorm) else F.layer_norm(t, n, None, None, eps)).numpy()
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,16 @@ def measure(seed: int = 0, row_lengths: tuple[int, ...] = ROW_LENGTHS) -> list[F
         errors: dict[str, dict[int, list[np.ndarray]]] = {}
         for n in row_lengths:
             for dist in DISTRIBUTIONS:
-                x, gamma, beta = case_rows(dist, n, BITS, seed)  # the norms table's rows, γ and β
-                in_fmt, out_fmt = input_format(x, BITS), output_format(BITS)
-                op = op_cls.from_float(gamma, beta, EPS, in_fmt, out_fmt)
-                xq = in_fmt.quantize(x)
-                xd = in_fmt.dequantize(xq)
-                ref = np.clip(op.float_reference(xd) / out_fmt.scale, out_fmt.lo, out_fmt.hi)
-                outputs = {"int32 (the definition)": op.forward(xq)}
+                run = run_case(op_cls.from_float, dist, n, BITS, seed)  # the norms table's cell
+                op, scale = run.op, run.op.out_fmt.scale
+                outputs = {"int32 (the definition)": op.forward(run.x)}
+                normalized = normalized_rows(op, run.real)
                 for fill in FILLS:
-                    stage = output_stage(gamma / out_fmt.scale, beta / out_fmt.scale, fill)
-                    outputs[_chain_name(fill)] = chain16(normalized_rows(op_cls, xd), stage)
+                    stage = output_stage(op.params.gamma / scale, op.params.beta / scale, fill)
+                    outputs[_chain_name(fill)] = chain16(normalized, stage)
                 for name, y in outputs.items():
-                    errors.setdefault(name, {}).setdefault(n, []).append(np.abs(y - ref))
+                    error = np.abs(signed_error_lsb(y, op.out_fmt, run.reference))
+                    errors.setdefault(name, {}).setdefault(n, []).append(error)
         rows += [FloorRow(title, name, {n: _cell(e) for n, e in by_n.items()}) for name, by_n in errors.items()]
     return rows
 
